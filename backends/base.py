@@ -1,0 +1,60 @@
+"""The small interface every kernel backend implements."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from .types import AttentionMetadata, QuantizedWeight
+
+
+class Backend(ABC):
+    """Kernels the model runner needs. One instance per device.
+
+    Tensors are row-major ``[T, ...]`` over the flat token batch of one step. Weights are prepared once
+    at load time (``prepare_*``) into whatever the backend likes; the returned handle is opaque.
+    """
+
+    name: str = "base"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    # --- linear layers -------------------------------------------------------------------------
+    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Any:
+        """Dense weight ``[out, in]`` → handle for :meth:`linear`."""
+        return (weight.to(self.device, dtype).contiguous(), None if bias is None else bias.to(self.device, dtype))
+
+    def linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
+        """``x [T, in] @ W.T + b`` → ``[T, out]``."""
+        w, b = handle
+        return torch.nn.functional.linear(x, w, b)
+
+    @abstractmethod
+    def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
+        """Repack a :class:`QuantizedWeight` once for :meth:`w4a16_linear`. Raises ``ValueError`` if unsupported."""
+
+    @abstractmethod
+    def w4a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
+        """``x [T, in]`` (16/32-bit) times the dequantized weight → ``[T, out]`` in ``x.dtype``."""
+
+    # --- elementwise --------------------------------------------------------------------------
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm (Zhang & Sennrich 2019) over the last dim, statistics in float32."""
+
+    @abstractmethod
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tuple) -> tuple:
+        """Rotary position embedding (Su et al. 2021), rotate-half convention. q ``[T, H, D]``, k ``[T, KVH, D]``."""
+
+    # --- paged KV cache -----------------------------------------------------------------------
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store ``k, v [T, KVH, D]`` into caches ``[num_blocks, block_size, KVH, D]`` at ``slot_mapping [T]``."""
+
+    @abstractmethod
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of ``q [T, H, D]`` over each sequence's cached context → ``[T, H, D]``."""

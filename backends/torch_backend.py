@@ -1,0 +1,146 @@
+"""Reference backend in plain torch; runs on any device.
+
+On CPU the W4A16 linear uses torch's fused int4 kernel ``aten._weight_int4pack_mm_for_cpu`` (weights repacked
+once by ``aten._convert_weight_to_int4pack_for_cpu``); elsewhere, or for layouts that kernel cannot take
+(bits != 4, act-order ``g_idx``, odd group sizes), it dequantizes then multiplies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .base import Backend
+from .types import AttentionMetadata, QuantizedWeight
+
+_INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass
+class Int4PackHandle:
+    """torch CPU int4pack weight: ``packed`` uint8 ``[out, in/2]``, ``scale_zeros`` ``[in/g, out, 2]``."""
+
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+    group_size: int
+    out_features: int
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+
+@dataclass
+class DequantHandle:
+    """Fallback: keeps the canonical uint8 codes and dequantizes on every call (memory stays ~1 byte/weight)."""
+
+    qw: QuantizedWeight
+    dtype: torch.dtype
+    bias: torch.Tensor | None
+
+
+def int4pack_supported(qw: QuantizedWeight, device: torch.device) -> bool:
+    """Whether torch's CPU int4pack kernel can hold ``qw`` without changing its numbers."""
+    return (
+        device.type == "cpu"
+        and qw.bits == 4
+        and qw.effective_group_size in _INT4PACK_GROUP_SIZES
+        and qw.in_features % qw.effective_group_size == 0
+        and qw.has_trivial_g_idx()
+        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    )
+
+
+def pack_int4_for_cpu(qw: QuantizedWeight, dtype: torch.dtype) -> Int4PackHandle:
+    """Repack canonical codes for ``aten._weight_int4pack_mm_for_cpu``.
+
+    That kernel computes ``W = (q - 8) * scale + zero``; the canonical ``W = (q - z) * s`` maps onto it
+    with ``zero = (8 - z) * s`` (exact up to the rounding of ``zero`` in ``dtype``).
+    """
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.qweight.to(torch.int32).contiguous(), 2)
+    s = qw.scales.float()
+    zero = (8.0 - qw.qzeros.float()) * s
+    scale_zeros = torch.stack([s, zero], dim=-1).to(dtype).contiguous()
+    bias = None if qw.bias is None else qw.bias.to(dtype)
+    return Int4PackHandle(packed, scale_zeros, qw.effective_group_size, qw.out_features, bias, dtype)
+
+
+class TorchBackend(Backend):
+    """Plain-torch kernels. ``int4_kernel=False`` forces the dequantize-then-matmul fallback."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device | str = "cpu", int4_kernel: bool = True) -> None:
+        super().__init__(device)
+        self.int4_kernel = int4_kernel
+
+    # --- W4A16 ---------------------------------------------------------------------------------
+    def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
+        if self.int4_kernel and int4pack_supported(qw, self.device):
+            return pack_int4_for_cpu(qw, dtype)
+        moved = QuantizedWeight(
+            bits=qw.bits, group_size=qw.group_size, sym=qw.sym,
+            qweight=qw.qweight.to(self.device), qzeros=qw.qzeros.to(self.device),
+            scales=qw.scales.to(self.device), g_idx=None if qw.g_idx is None else qw.g_idx.to(self.device),
+        )
+        return DequantHandle(moved, dtype, None if qw.bias is None else qw.bias.to(self.device, dtype))
+
+    def w4a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
+        if isinstance(handle, Int4PackHandle):
+            xin = x if x.dtype == handle.dtype else x.to(handle.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, handle.packed, handle.group_size, handle.scale_zeros)
+            if handle.bias is not None:
+                y = y + handle.bias
+            return y if y.dtype == x.dtype else y.to(x.dtype)
+        w = handle.qw.dequantize(x.dtype)
+        return F.linear(x, w, None if handle.bias is None else handle.bias.to(x.dtype))
+
+    # --- elementwise ----------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tuple) -> tuple:
+        cos_cache, sin_cache = cos_sin  # [max_pos, D]
+        cos = cos_cache[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+
+    # --- paged KV --------------------------------------------------------------------------------
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        nb, bs, kvh, d = k_cache.shape
+        k_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        bs = meta.block_size
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        for b in range(meta.num_seqs):
+            qs, qe = meta.query_start[b], meta.query_start[b + 1]
+            t, ctx = qe - qs, meta.context_lens[b]
+            nblk = (ctx + bs - 1) // bs
+            blocks = torch.tensor(meta.block_tables[b][:nblk], dtype=torch.long, device=q.device)
+            k = k_cache.index_select(0, blocks).view(nblk * bs, kvh, d)[:ctx]
+            v = v_cache.index_select(0, blocks).view(nblk * bs, kvh, d)[:ctx]
+            qb = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
+            kb = k.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
+            vb = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
+            if t == ctx:
+                o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=t > 1, scale=scale, enable_gqa=True)
+            elif t == 1:
+                o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=True)
+            else:
+                # query j sits at absolute position ctx - t + j and sees keys 0..ctx - t + j
+                rows = torch.arange(t, device=q.device).unsqueeze(1) + (ctx - t)
+                mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+                o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[qs:qe] = o.squeeze(0).transpose(0, 1)
+        return out
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

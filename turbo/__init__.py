@@ -1,0 +1,5 @@
+"""turbo: the inference engine (paged KV cache, stateful sessions, W4A16 kernels through ``backends``)."""
+from .config import EngineConfig, GenerationConfig
+from .engine import Engine, GenerationOutput, Session
+
+__all__ = ["Engine", "EngineConfig", "GenerationConfig", "GenerationOutput", "Session"]

@@ -1,0 +1,80 @@
+"""Configs of the engine and of one generation request, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lite.formats import LiteturboError
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Engine options.
+
+    backend: ``"auto"`` or a registered backend name. device: ``"cpu"``, ``"cuda"``, ... dtype: compute dtype,
+    ``"auto"`` = bfloat16 where the CPU has native bf16 (else float32), float16 on GPUs.
+    block_size: tokens per KV block. max_kv_tokens: KV pool size in tokens (rounded up to whole blocks).
+    session_len: longest token history of one sequence (default: the model's max_position_embeddings,
+    capped by the pool). max_prefill_tokens: chunk size for long prompts.
+    """
+
+    backend: str = "auto"
+    device: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 64
+    max_kv_tokens: int = 16384
+    session_len: int | None = None
+    max_prefill_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise LiteturboError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_kv_tokens", "max_prefill_tokens"):
+            if getattr(self, name) <= 0:
+                raise LiteturboError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.session_len is not None and self.session_len <= 1:
+            raise LiteturboError(f"session_len must be > 1, got {self.session_len}")
+
+    def torch_dtype(self) -> torch.dtype:
+        """The resolved compute dtype for ``device``."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if torch.device(self.device).type == "cpu":
+            bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
+            return torch.bfloat16 if bf16 else torch.float32
+        return torch.float16
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling and stopping options of one request.
+
+    max_new_tokens: generated tokens at most. temperature 0 = greedy. top_k 0 = off. top_p 1 = off.
+    stop: strings that end generation (not included in the text). stop_token_ids: extra ids that end it.
+    ignore_eos: keep going past EOS. seed: per-request RNG seed (``None`` = nondeterministic).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise LiteturboError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise LiteturboError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise LiteturboError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise LiteturboError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]

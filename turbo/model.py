@@ -1,0 +1,220 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat token batch and a paged KV cache.
+
+One short file in the spirit of gpt-fast: weights are plain tensors (or backend handles for W4A16), the
+forward is a loop over layers. Family differences come from :mod:`lite.formats.arch` tables.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backends import Backend, QuantizedWeight
+from backends.types import AttentionMetadata
+from lite.formats import (LiteturboError, arch_spec, load_config, load_quantized_linears, load_state_dict,
+                          quantization_spec)
+
+
+@dataclass
+class ModelConfig:
+    """The config.json fields the model needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelConfig":
+        """Build from a config.json dict. Raises ``LiteturboError`` for unsupported or missing fields."""
+        spec = arch_spec(cfg)
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise LiteturboError(f"hidden_act={act!r} is not supported (only silu)")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+            rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+            if rope_type not in ("default", "llama3", "linear"):
+                raise LiteturboError(f"rope_type={rope_type!r} is not supported (default, linear, llama3)")
+            eos = cfg.get("eos_token_id")
+            eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            return cls(
+                model_type=cfg["model_type"], vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta, rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=spec.flag(spec.qkv_bias, cfg), o_bias=spec.flag(spec.o_bias, cfg),
+                mlp_bias=spec.flag(spec.mlp_bias, cfg), qk_norm=spec.qk_norm,
+                bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise LiteturboError(f"config.json lacks the field {e.args[0]!r}") from None
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim/2]`` (float32), with linear or llama3-style scaling (Llama 3.1 report)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv
+    factor = float(sc.get("factor", 1.0))
+    if sc["rope_type"] == "linear":
+        return inv / factor
+    low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+    old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+    low_wl, high_wl = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    inv_l = torch.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    is_medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+    return torch.where(is_medium, smoothed, inv_l)
+
+
+class Linear:
+    """A dense or W4A16 linear bound to a backend handle."""
+
+    __slots__ = ("backend", "handle", "quantized", "out_features")
+
+    def __init__(self, backend: Backend, handle, quantized: bool, out_features: int) -> None:
+        self.backend, self.handle, self.quantized, self.out_features = backend, handle, quantized, out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return self.backend.w4a16_linear(x, self.handle)
+        return self.backend.linear(x, self.handle)
+
+
+class Layer:
+    """Weights of one decoder layer (q/k/v and gate/up fused)."""
+
+    def __init__(self, **kw) -> None:
+        self.__dict__.update(kw)
+
+
+class LlamaModel:
+    """Llama-family causal LM over a flat batch of tokens.
+
+    ``forward(input_ids [T], positions [T], kv_caches, meta, logits_rows)`` → float32 logits
+    ``[len(logits_rows), vocab]``. ``kv_caches[i] = (k_cache, v_cache)`` of shape
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, quant_method: str | None) -> None:
+        self.cfg, self.backend, self.dtype, self.quant_method = cfg, backend, dtype, quant_method
+        self.layers: list[Layer] = []
+        inv = rope_inv_freq(cfg)
+        max_pos = max(cfg.max_position_embeddings, 1)
+        freqs = torch.arange(max_pos, dtype=torch.int64).float().unsqueeze(1) * inv.unsqueeze(0)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos_sin = (emb.cos().to(backend.device), emb.sin().to(backend.device))
+        self.scale = cfg.head_dim ** -0.5
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: Path, backend: Backend, dtype: torch.dtype) -> "LlamaModel":
+        """Load a 16/32-bit or W4A16 (AWQ GEMM) checkpoint folder. Raises ``LiteturboError`` on bad input."""
+        raw = load_config(path)
+        cfg = ModelConfig.from_dict(raw)
+        qspec = quantization_spec(raw)
+        sd = load_state_dict(path)
+        qlinears = load_quantized_linears(sd, qspec) if qspec else {}
+        model = cls(cfg, backend, dtype, qspec.method if qspec else None)
+        dev = backend.device
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = sd.pop(name, None)
+            if t is None and required:
+                raise LiteturboError(f"checkpoint {path} lacks tensor {name!r}")
+            return t
+
+        def linear(prefixes: list[str], bias: bool) -> Linear:
+            if all(p in qlinears for p in prefixes):
+                qw = QuantizedWeight.concat_out([qlinears.pop(p) for p in prefixes])
+                return Linear(backend, backend.prepare_w4a16(qw, dtype), True, qw.out_features)
+            if any(p in qlinears for p in prefixes):
+                raise LiteturboError(f"layers {prefixes} are partly quantized; liteturbo fuses them and needs all or none")
+            w = torch.cat([take(f"{p}.weight") for p in prefixes], 0)
+            b = torch.cat([take(f"{p}.bias") for p in prefixes], 0) if bias else None
+            return Linear(backend, backend.prepare_linear(w, b, dtype), False, w.shape[0])
+
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}"
+            layer = Layer(
+                input_norm=take(f"{p}.input_layernorm.weight").to(dev, dtype),
+                post_norm=take(f"{p}.post_attention_layernorm.weight").to(dev, dtype),
+                qkv=linear([f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj", f"{p}.self_attn.v_proj"], cfg.qkv_bias),
+                o=linear([f"{p}.self_attn.o_proj"], cfg.o_bias),
+                gate_up=linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], cfg.mlp_bias),
+                down=linear([f"{p}.mlp.down_proj"], cfg.mlp_bias),
+                q_norm=take(f"{p}.self_attn.q_norm.weight").to(dev, dtype) if cfg.qk_norm else None,
+                k_norm=take(f"{p}.self_attn.k_norm.weight").to(dev, dtype) if cfg.qk_norm else None,
+            )
+            model.layers.append(layer)
+        model.embed = take("model.embed_tokens.weight").to(dev, dtype)
+        model.norm = take("model.norm.weight").to(dev, dtype)
+        lm = sd.pop("lm_head.weight", None)
+        if lm is None and not cfg.tie_word_embeddings:
+            raise LiteturboError(f"checkpoint {path} lacks lm_head.weight and does not tie word embeddings")
+        model.lm_head = model.embed if lm is None else lm.to(dev, dtype)
+        if qlinears:
+            raise LiteturboError(f"quantized tensors outside the decoder linears are not supported: {sorted(qlinears)[:3]}")
+        return model
+
+    # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        cfg, be = self.cfg, self.backend
+        t = input_ids.shape[0]
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = nh * hd, nkv * hd
+        if int(positions.max()) >= self.cos_sin[0].shape[0]:
+            raise LiteturboError(f"position {int(positions.max())} exceeds max_position_embeddings="
+                                 f"{cfg.max_position_embeddings}")
+        h = self.embed[input_ids]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = be.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(x)
+            q = qkv[:, :q_size].view(t, nh, hd)
+            k = qkv[:, q_size:q_size + kv_size].view(t, nkv, hd)
+            v = qkv[:, q_size + kv_size:].view(t, nkv, hd)
+            if layer.q_norm is not None:
+                q = be.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = be.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = be.rotary(q, k, positions, self.cos_sin)
+            be.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            a = be.attention(q, k_cache, v_cache, meta, self.scale)
+            h = h + layer.o(a.reshape(t, q_size))
+            x = be.rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gu = layer.gate_up(x)
+            inter = gu.shape[-1] // 2
+            h = h + layer.down(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:])
+        if logits_rows is not None:
+            h = h[logits_rows]
+        h = be.rms_norm(h, self.norm, cfg.rms_norm_eps)
+        return torch.nn.functional.linear(h, self.lm_head).float()
