@@ -39,14 +39,30 @@ class Backend(ABC):
     def w4a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
         """``x [T, in]`` (16/32-bit) times the dequantized weight → ``[T, out]`` in ``x.dtype``."""
 
+    def prepare_w8a16(self, weight: torch.Tensor, dtype: torch.dtype) -> Any:
+        """Quantize a dense weight ``[out, in]`` to int8 per output channel (symmetric, absmax) for
+        :meth:`w8a16_linear`. Used for a weight-only int8 lm_head."""
+        w = weight.float()
+        scales = (w.abs().amax(1) / 127.0).clamp(min=1e-12)
+        q = torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8)
+        return q.to(self.device).contiguous(), scales.to(self.device, dtype)
+
+    def w8a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
+        """``x [T, in] @ (q * scales[:, None]).T`` → ``[T, out]`` in ``x.dtype``."""
+        q, scales = handle
+        return torch.nn.functional.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
+
     # --- elementwise --------------------------------------------------------------------------
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm (Zhang & Sennrich 2019) over the last dim, statistics in float32."""
 
     @abstractmethod
-    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tuple) -> tuple:
-        """Rotary position embedding (Su et al. 2021), rotate-half convention. q ``[T, H, D]``, k ``[T, KVH, D]``."""
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """Rotary position embedding (Su et al. 2021, RoFormer), rotate-half convention.
+
+        q ``[T, H, D]``, k ``[T, KVH, D]``, cos/sin ``[T, 1, D]`` in q's dtype (gathered once per step).
+        """
 
     # --- paged KV cache -----------------------------------------------------------------------
     @abstractmethod

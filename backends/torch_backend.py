@@ -95,16 +95,20 @@ class TorchBackend(Backend):
         w = handle.qw.dequantize(x.dtype)
         return F.linear(x, w, None if handle.bias is None else handle.bias.to(x.dtype))
 
+    def w8a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
+        q, scales = handle
+        if self.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and hasattr(
+                torch.ops.aten, "_weight_int8pack_mm"):
+            return torch.ops.aten._weight_int8pack_mm(x, q, scales.to(x.dtype))
+        return super().w8a16_linear(x, handle)
+
     # --- elementwise ----------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
 
-    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tuple) -> tuple:
-        cos_cache, sin_cache = cos_sin  # [max_pos, D]
-        cos = cos_cache[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
 
     # --- paged KV --------------------------------------------------------------------------------
@@ -114,29 +118,35 @@ class TorchBackend(Backend):
         v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        bs = meta.block_size
-        kvh, d = k_cache.shape[2], k_cache.shape[3]
-        for b in range(meta.num_seqs):
-            qs, qe = meta.query_start[b], meta.query_start[b + 1]
-            t, ctx = qe - qs, meta.context_lens[b]
-            nblk = (ctx + bs - 1) // bs
-            blocks = torch.tensor(meta.block_tables[b][:nblk], dtype=torch.long, device=q.device)
-            k = k_cache.index_select(0, blocks).view(nblk * bs, kvh, d)[:ctx]
-            v = v_cache.index_select(0, blocks).view(nblk * bs, kvh, d)[:ctx]
+        nb, bs, kvh, d = k_cache.shape
+        k_flat, v_flat = k_cache.view(nb * bs, kvh, d), v_cache.view(nb * bs, kvh, d)
+        per_seq = meta.scratch.get("torch_attn")
+        if per_seq is None:  # slot indices and masks are the same for every layer of the step
+            per_seq = []
+            for b in range(meta.num_seqs):
+                qs, qe = meta.query_start[b], meta.query_start[b + 1]
+                t, ctx = qe - qs, meta.context_lens[b]
+                table = torch.tensor(meta.block_tables[b][:(ctx + bs - 1) // bs], dtype=torch.long)
+                slots = (table.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[:ctx].to(q.device)
+                mask = None
+                if 1 < t < ctx:  # query j sits at position ctx - t + j and sees keys 0 .. ctx - t + j
+                    rows = torch.arange(t, device=q.device).unsqueeze(1) + (ctx - t)
+                    mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+                per_seq.append((qs, qe, slots, mask, t == ctx and t > 1))
+            meta.scratch["torch_attn"] = per_seq
+        out = q.new_empty(q.shape) if len(per_seq) > 1 else None
+        for qs, qe, slots, mask, causal in per_seq:
+            kb = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+            vb = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            if kb.dtype != q.dtype:
+                kb, vb = kb.to(q.dtype), vb.to(q.dtype)
             qb = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
-            kb = k.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
-            vb = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
-            if t == ctx:
-                o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=t > 1, scale=scale, enable_gqa=True)
-            elif t == 1:
-                o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=True)
-            else:
-                # query j sits at absolute position ctx - t + j and sees keys 0..ctx - t + j
-                rows = torch.arange(t, device=q.device).unsqueeze(1) + (ctx - t)
-                mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-                o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[qs:qe] = o.squeeze(0).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale,
+                                               enable_gqa=True)
+            o = o.squeeze(0).transpose(0, 1)
+            if out is None:
+                return o
+            out[qs:qe] = o
         return out
 
 

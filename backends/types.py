@@ -143,6 +143,8 @@ class AttentionMetadata:
     context_lens: list[int]
     block_tables: list[list[int]]
     block_size: int
+    # backend-private values derived once per step and reused by every layer (e.g. gather indices)
+    scratch: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.query_start) != len(self.context_lens) + 1:

@@ -29,6 +29,7 @@ class EngineConfig:
     max_kv_tokens: int = 16384
     session_len: int | None = None
     max_prefill_tokens: int = 1024
+    lm_head: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -36,6 +37,8 @@ class EngineConfig:
         for name in ("block_size", "max_kv_tokens", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise LiteturboError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lm_head not in ("auto", "int8", "16bit"):
+            raise LiteturboError(f"lm_head must be auto, int8 or 16bit, got {self.lm_head!r}")
         if self.session_len is not None and self.session_len <= 1:
             raise LiteturboError(f"session_len must be > 1, got {self.session_len}")
 

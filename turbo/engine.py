@@ -10,7 +10,7 @@ import torch
 
 from backends import get_backend
 from backends.types import AttentionMetadata
-from lite.formats import LiteturboError, resolve_model
+from lite.formats import LiteturboError, load_config, resolve_model
 
 from .block_manager import BlockManager, OutOfBlocks
 from .config import EngineConfig, GenerationConfig
@@ -108,7 +108,11 @@ class Engine:
         self.path = resolve_model(model)
         self.backend = get_backend(self.config.backend, self.config.device)
         self.dtype = self.config.torch_dtype()
-        self.model = LlamaModel.from_pretrained(self.path, self.backend, self.dtype)
+        raw_cfg = load_config(self.path)
+        lm_int8 = self.config.lm_head == "int8" or (
+            self.config.lm_head == "auto" and bool(raw_cfg.get("quantization_config"))
+            and self.backend.device.type == "cpu" and self.dtype != torch.float32)
+        self.model = LlamaModel.from_pretrained(self.path, self.backend, self.dtype, lm_head_int8=lm_int8)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         bs = self.config.block_size
         num_blocks = (self.config.max_kv_tokens + bs - 1) // bs

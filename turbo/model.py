@@ -96,7 +96,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Linear:
-    """A dense or W4A16 linear bound to a backend handle."""
+    """A dense, W4A16 or W8A16 linear bound to a backend handle (``quantized``: None, "w4a16", "w8a16")."""
 
     __slots__ = ("backend", "handle", "quantized", "out_features")
 
@@ -104,8 +104,10 @@ class Linear:
         self.backend, self.handle, self.quantized, self.out_features = backend, handle, quantized, out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized:
+        if self.quantized == "w4a16":
             return self.backend.w4a16_linear(x, self.handle)
+        if self.quantized == "w8a16":
+            return self.backend.w8a16_linear(x, self.handle)
         return self.backend.linear(x, self.handle)
 
 
@@ -136,8 +138,13 @@ class LlamaModel:
 
     # ------------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: Path, backend: Backend, dtype: torch.dtype) -> "LlamaModel":
-        """Load a 16/32-bit or W4A16 (AWQ GEMM) checkpoint folder. Raises ``LiteturboError`` on bad input."""
+    def from_pretrained(cls, path: Path, backend: Backend, dtype: torch.dtype,
+                        lm_head_int8: bool = False) -> "LlamaModel":
+        """Load a 16/32-bit or W4A16 (AWQ GEMM) checkpoint folder. Raises ``LiteturboError`` on bad input.
+
+        ``lm_head_int8`` runs the output projection as weight-only int8 (per output channel), as llama.cpp
+        does with Q8_0 output weights; the input embedding table stays in ``dtype``.
+        """
         raw = load_config(path)
         cfg = ModelConfig.from_dict(raw)
         qspec = quantization_spec(raw)
@@ -155,12 +162,12 @@ class LlamaModel:
         def linear(prefixes: list[str], bias: bool) -> Linear:
             if all(p in qlinears for p in prefixes):
                 qw = QuantizedWeight.concat_out([qlinears.pop(p) for p in prefixes])
-                return Linear(backend, backend.prepare_w4a16(qw, dtype), True, qw.out_features)
+                return Linear(backend, backend.prepare_w4a16(qw, dtype), "w4a16", qw.out_features)
             if any(p in qlinears for p in prefixes):
                 raise LiteturboError(f"layers {prefixes} are partly quantized; liteturbo fuses them and needs all or none")
             w = torch.cat([take(f"{p}.weight") for p in prefixes], 0)
             b = torch.cat([take(f"{p}.bias") for p in prefixes], 0) if bias else None
-            return Linear(backend, backend.prepare_linear(w, b, dtype), False, w.shape[0])
+            return Linear(backend, backend.prepare_linear(w, b, dtype), None, w.shape[0])
 
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
@@ -180,7 +187,11 @@ class LlamaModel:
         lm = sd.pop("lm_head.weight", None)
         if lm is None and not cfg.tie_word_embeddings:
             raise LiteturboError(f"checkpoint {path} lacks lm_head.weight and does not tie word embeddings")
-        model.lm_head = model.embed if lm is None else lm.to(dev, dtype)
+        head = model.embed if lm is None else lm.to(dev, dtype)
+        if lm_head_int8:
+            model.lm_head = Linear(backend, backend.prepare_w8a16(head, dtype), "w8a16", head.shape[0])
+        else:
+            model.lm_head = Linear(backend, (head, None), None, head.shape[0])
         if qlinears:
             raise LiteturboError(f"quantized tensors outside the decoder linears are not supported: {sorted(qlinears)[:3]}")
         return model
@@ -197,6 +208,8 @@ class LlamaModel:
             raise LiteturboError(f"position {int(positions.max())} exceeds max_position_embeddings="
                                  f"{cfg.max_position_embeddings}")
         h = self.embed[input_ids]
+        cos = self.cos_sin[0][positions].unsqueeze(1).to(self.dtype)  # [T, 1, D]
+        sin = self.cos_sin[1][positions].unsqueeze(1).to(self.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = be.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
@@ -206,7 +219,7 @@ class LlamaModel:
             if layer.q_norm is not None:
                 q = be.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = be.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = be.rotary(q, k, positions, self.cos_sin)
+            q, k = be.rotary(q, k, cos, sin)
             be.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             a = be.attention(q, k_cache, v_cache, meta, self.scale)
             h = h + layer.o(a.reshape(t, q_size))
@@ -217,4 +230,4 @@ class LlamaModel:
         if logits_rows is not None:
             h = h[logits_rows]
         h = be.rms_norm(h, self.norm, cfg.rms_norm_eps)
-        return torch.nn.functional.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

@@ -127,6 +127,7 @@ def atomic_output_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary folder
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, old / "x")

@@ -1,0 +1,1 @@
+"""Bundled calibration and evaluation text (added with the AWQ/GPTQ issue)."""

@@ -1,0 +1,107 @@
+"""The ``liteturbo`` command line: ``liteturbo lite rtn`` and ``liteturbo chat``."""
+from __future__ import annotations
+
+import sys
+from functools import wraps
+
+import click
+
+from lite.formats import LiteturboError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def friendly_errors(fn):
+    """Print ``LiteturboError`` as one line on stderr and exit 2, without a traceback."""
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LiteturboError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+    return wrapper
+
+
+@click.group()
+def main() -> None:
+    """liteturbo: quantize LLMs (lite) and run them (turbo) on constrained hardware."""
+
+
+@main.group()
+def lite() -> None:
+    """Offline quantization."""
+
+
+@lite.command("rtn")
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@click.option("--w-bits", default=4, show_default=True, help="Bits per weight.")
+@click.option("--w-group-size", default=128, show_default=True, help="Input channels per group (-1: per channel).")
+@click.option("--w-sym", is_flag=True, help="Symmetric quantization (no zero point).")
+@click.option("--work-dir", default="./work_dir", show_default=True, help="Output checkpoint folder.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --work-dir.")
+@friendly_errors
+def rtn(model, w_bits, w_group_size, w_sym, work_dir, overwrite) -> None:
+    """Round-to-nearest W4A16 quantization of MODEL (name or checkpoint folder) into AWQ GEMM format."""
+    from lite.quantize import QuantConfig, quantize_checkpoint
+
+    quantize_checkpoint(model, QuantConfig(w_bits, w_group_size, w_sym, work_dir, overwrite), method="rtn")
+
+
+@main.command()
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@click.option("--max-new-tokens", default=256, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", default=None, type=int)
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--backend", default="auto", show_default=True)
+@friendly_errors
+def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, backend) -> None:
+    """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too."""
+    from turbo import Engine, EngineConfig, GenerationConfig
+
+    engine = Engine(model, EngineConfig(dtype=dtype, backend=backend))
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=seed)
+    session = engine.session(system)
+    interactive = sys.stdin.isatty()
+    click.echo(f"[liteturbo] {engine.path} ({engine.model.quant_method or 'float'}, {engine.dtype}); "
+               f"/reset clears the history, /exit quits", err=True)
+    total_tokens, total_s = 0, 0.0
+    while True:
+        if interactive:
+            click.echo(">>> ", nl=False)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            session.reset()
+            click.echo("[session reset]")
+            continue
+        if not interactive:
+            click.echo(f"user: {line}")
+            click.echo("assistant: ", nl=False)
+        try:
+            for piece in session.chat(line, stream=True, gen=gen):
+                click.echo(piece, nl=False)
+        except LiteturboError as e:
+            click.echo(f"\nerror: {e}", err=True)
+            continue
+        click.echo()
+        out = session.last
+        if out is not None:
+            total_tokens += max(len(out.token_ids) - 1, 0)
+            total_s += out.decode_seconds
+            click.echo(f"[{len(out.token_ids)} tokens, prefill {out.prompt_tokens - out.cached_tokens} "
+                       f"(cached {out.cached_tokens}), TTFT {out.ttft * 1000:.0f} ms, decode "
+                       f"{out.decode_tokens_per_s:.1f} tok/s]", err=True)
+    if total_s > 0:
+        click.echo(f"[liteturbo] decode speed over the chat: {total_tokens / total_s:.1f} tokens/s", err=True)
