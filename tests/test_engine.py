@@ -1,0 +1,107 @@
+"""End-to-end engine behaviour on the embedded SmolLM2 quantized with RTN W4A16 g64."""
+from __future__ import annotations
+
+import pytest
+
+from lite.formats import LiteturboError
+from turbo import Engine, EngineConfig, GenerationConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_rtn_g64):
+    return Engine(smollm2_rtn_g64, EngineConfig(max_kv_tokens=4096))
+
+
+def test_greedy_answers_capitals(engine):
+    s = engine.session()
+    assert "Paris" in s.chat("What is the capital of France?", max_new_tokens=40)
+    s2 = engine.session()
+    assert "Tokyo" in s2.chat("What is the capital of Japan?", max_new_tokens=40)
+    s.close()
+    s2.close()
+
+
+def test_three_turn_session_equals_stateless_and_prefills_only_new_tokens(engine):
+    turns = ["What is the capital of France?", "What is the capital of Japan?", "Name one famous dish from there."]
+    gen = GenerationConfig(max_new_tokens=48)
+    s = engine.session()
+    stateful = []
+    for i, msg in enumerate(turns):
+        history_before = list(s.seq.token_ids)
+        computed_before = s.seq.num_computed
+        s.chat(msg, gen=gen)
+        out = s.last
+        stateful.append(out.token_ids)
+        prompt_ids = engine.chat_template_ids(s.messages[:-1])
+        assert out.prompt_tokens == len(prompt_ids)
+        # the prompt extends the previous history: everything already computed was reused
+        assert prompt_ids[:computed_before] == history_before[:computed_before]
+        assert out.cached_tokens == computed_before
+        assert engine.stats()["last_prefill_tokens"] == len(prompt_ids) - computed_before
+        if i == 2:
+            new_user = engine.encode(msg)
+            # only the last reply's end marker, the new user message and the template around it
+            assert engine.stats()["last_prefill_tokens"] <= len(new_user) + 12
+            assert computed_before > 60
+    messages = s.messages
+    s.close()
+    # stateless: each full conversation on a fresh sequence
+    for i in range(3):
+        conv = messages[: 2 * i + 1]
+        ids = engine.chat_template_ids(conv)
+        out = engine.generate(ids, gen)
+        assert out.cached_tokens == 0
+        assert out.token_ids == stateful[i], f"turn {i + 1} differs"
+    assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]
+
+
+def test_streaming_pieces_join_to_reply(engine):
+    s = engine.session()
+    pieces = list(s.chat("Count from one to five.", stream=True, max_new_tokens=30))
+    assert len(pieces) > 1
+    assert "".join(pieces) == s.messages[-1]["content"] == s.last.text
+    s.reset()
+    assert s.messages == [] and s.seq.block_table == []
+
+
+def test_abandoned_stream_keeps_history_consistent(engine):
+    s = engine.session()
+    it = s.chat("Tell me a long story about a dragon.", stream=True, max_new_tokens=60)
+    first = [next(it) for _ in range(3)]
+    it.close()  # the client went away
+    assert s.messages[-1]["role"] == "assistant" and s.messages[-1]["content"] == "".join(first)
+    reply = s.chat("Thanks. What is 2 + 2?", max_new_tokens=20)
+    assert reply
+    s.close()
+
+
+def test_stop_strings_and_max_tokens(engine):
+    out = engine.generate("The days of the week are Monday, Tuesday,", max_new_tokens=40, stop=["Thursday"])
+    assert "Thursday" not in out.text and out.finish_reason == "stop"
+    out = engine.generate("Once upon a time", max_new_tokens=5, ignore_eos=True)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_sampling_seeded_is_reproducible(engine):
+    g = GenerationConfig(max_new_tokens=20, temperature=0.9, top_k=40, top_p=0.9, seed=123, ignore_eos=True)
+    a = engine.generate("My favourite animal is", g)
+    b = engine.generate("My favourite animal is", g)
+    assert a.token_ids == b.token_ids
+
+
+def test_bad_prompts_have_clear_errors(engine):
+    with pytest.raises(LiteturboError, match="empty"):
+        engine.generate("")
+    s = engine.session()
+    with pytest.raises(LiteturboError, match="empty"):
+        s.chat("   ")
+    with pytest.raises(LiteturboError, match="context holds"):
+        engine.generate(list(range(1, 5000)))
+    with pytest.raises(LiteturboError, match="vocabulary"):
+        engine.generate([10**7])
+    s.close()
+    with pytest.raises(LiteturboError, match="closed"):
+        s.chat("hello")
+    assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]
