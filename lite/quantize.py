@@ -1,6 +1,7 @@
 """The quantization pipeline: read a checkpoint, quantize the decoder linears, write a W4A16 checkpoint."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,5 +99,5 @@ def quantize_checkpoint(model: str | None, qcfg: QuantConfig, method: str = "rtn
         config["quantization_config"] = awq_quantization_config(qcfg.w_bits, qcfg.w_group_size, not qcfg.w_sym)
         write_json(tmp / "config.json", config)
         copy_tokenizer_files(src, tmp)
-    print(f"[liteturbo] wrote {out} ({len(names)} linears, {time.perf_counter() - t0:.1f}s)")
+    print(f"[liteturbo] wrote {out} ({len(names)} linears, {time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     return out
