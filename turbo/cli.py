@@ -102,6 +102,6 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
             total_s += out.decode_seconds
             click.echo(f"[{len(out.token_ids)} tokens, prefill {out.prompt_tokens - out.cached_tokens} "
                        f"(cached {out.cached_tokens}), TTFT {out.ttft * 1000:.0f} ms, decode "
-                       f"{out.decode_tokens_per_s:.1f} tok/s]", err=True)
+                       f"{out.decode_tokens_per_s:.1f} tok/s]", err=interactive)
     if total_s > 0:
-        click.echo(f"[liteturbo] decode speed over the chat: {total_tokens / total_s:.1f} tokens/s", err=True)
+        click.echo(f"[liteturbo] decode speed over the chat: {total_tokens / total_s:.1f} tokens/s", err=interactive)
