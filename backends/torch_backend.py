@@ -44,6 +44,7 @@ def int4pack_supported(qw: QuantizedWeight, device: torch.device) -> bool:
     return (
         device.type == "cpu"
         and qw.bits == 4
+        and qw.out_features % 16 == 0  # the packer tiles N by 16
         and qw.effective_group_size in _INT4PACK_GROUP_SIZES
         and qw.in_features % qw.effective_group_size == 0
         and qw.has_trivial_g_idx()

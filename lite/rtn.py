@@ -17,8 +17,9 @@ def quantize_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym
     """Quantize a dense weight ``[out, in]`` to a :class:`QuantizedWeight` (scales float16).
 
     ``group_size=-1`` quantizes each output row as one group. Raises ``ValueError`` when ``in`` is not
-    divisible by ``group_size``. Degenerate groups (all equal, e.g. all zero) get a range that includes 0,
-    so they are represented exactly instead of collapsing to a tiny scale.
+    divisible by ``group_size``. The asymmetric range always includes 0 (as GPTQ's quantizer does), so a
+    group of one sign, or a constant group, is represented within half a step instead of being clipped by
+    a zero point outside ``[0, 2**bits)``; an all-zero group is exact.
     """
     out_f, in_f = weight.shape
     gs = in_f if group_size == -1 else group_size
@@ -33,10 +34,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym
         s = scales.float().clamp(min=torch.finfo(torch.float16).tiny)
         zeros = torch.full_like(s, half)
     else:
-        wmin, wmax = w.amin(-1), w.amax(-1)
-        flat = (wmax - wmin) <= 1e-8 * torch.maximum(wmax.abs(), wmin.abs()).clamp(min=1e-30)
-        wmin = torch.where(flat, wmin.clamp(max=0), wmin)
-        wmax = torch.where(flat, wmax.clamp(min=0), wmax)
+        wmin, wmax = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
         rng = (wmax - wmin).clamp(min=1e-8)
         scales = (rng / qmax).to(torch.float16)
         s = scales.float().clamp(min=torch.finfo(torch.float16).tiny)
