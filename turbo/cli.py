@@ -48,6 +48,33 @@ def rtn(model, w_bits, w_group_size, w_sym, work_dir, overwrite) -> None:
     quantize_checkpoint(model, QuantConfig(w_bits, w_group_size, w_sym, work_dir, overwrite), method="rtn")
 
 
+@lite.command("eval-ppl")
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@click.option("--dataset", default="wikitext2", show_default=True, help="Bundled dataset name (test split).")
+@click.option("--seqlen", default=2048, show_default=True, help="Tokens per window.")
+@click.option("--max-windows", default=None, type=int, help="Score only the first N windows.")
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help='Print {"ppl", "tokens", "seconds"} as JSON.')
+@friendly_errors
+def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json) -> None:
+    """Perplexity of MODEL on a bundled dataset's test text (WikiText-2: rows joined with "\\n\\n")."""
+    import json as _json
+
+    import calib_data
+    from turbo import Engine, EngineConfig
+    from turbo.perplexity import perplexity
+
+    if dataset != "wikitext2":
+        raise LiteturboError(f"--dataset {dataset!r}: only wikitext2 has a test split for perplexity")
+    engine = Engine(model, EngineConfig(dtype=dtype, max_kv_tokens=seqlen, lm_head="16bit"))
+    r = perplexity(engine, calib_data.wikitext2_test_text(), seqlen, max_windows, progress=not as_json)
+    if as_json:
+        click.echo(_json.dumps({"ppl": r["ppl"], "tokens": r["tokens"], "seconds": r["seconds"]}))
+    else:
+        click.echo(f"{model}: WikiText-2 test PPL {r['ppl']:.3f} over {r['windows']} windows of {seqlen} tokens "
+                   f"({r['seconds']:.0f} s)")
+
+
 @main.command()
 @click.argument("model", required=False, default=DEFAULT_MODEL)
 @click.option("--max-new-tokens", default=256, show_default=True)

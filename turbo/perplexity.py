@@ -1,0 +1,61 @@
+"""Perplexity through turbo's own model (so quantized checkpoints are scored by the kernels that run them).
+
+Protocol (GPTQ, Frantar et al. 2023, Sec. 4; AWQ's ``eval``): tokenize the whole text once, cut it into
+non-overlapping windows of ``seqlen`` tokens (the remainder is dropped), score every next-token prediction
+inside each window, ``PPL = exp(mean over windows of the mean NLL)``.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from tqdm import tqdm
+
+from lite.formats import LiteturboError
+
+from .engine import Engine, Sequence, StepInput
+
+
+def window_nll(engine: Engine, ids: list[int], chunk: int = 512) -> float:
+    """Mean next-token NLL (nats) of one window, computed in chunks over the paged KV cache."""
+    seq = Sequence(token_ids=list(ids))
+    bm = engine.block_manager
+    total, n = 0.0, 0
+    try:
+        bm.ensure_capacity(seq.block_table, len(ids))
+        for start in range(0, len(ids) - 1, chunk):
+            end = min(start + chunk, len(ids))
+            step = StepInput(token_ids=ids[start:end], positions=list(range(start, end)),
+                             slot_mapping=bm.slots(seq.block_table, start, end), query_start=[0, end - start],
+                             context_lens=[end], block_tables=[seq.block_table],
+                             logits_rows=list(range(end - start)))
+            logits = engine.runner.run(step)
+            targets = torch.tensor(ids[start + 1:end + 1], dtype=torch.long)
+            logits = logits[: len(targets)]
+            total += float(torch.nn.functional.cross_entropy(logits, targets.to(logits.device), reduction="sum"))
+            n += len(targets)
+    finally:
+        bm.free(seq.block_table)
+    return total / n
+
+
+def perplexity(engine: Engine, text: str, seqlen: int = 2048, max_windows: int | None = None,
+               progress: bool = True) -> dict:
+    """``{"ppl", "tokens", "windows", "seconds"}`` of ``text`` under ``engine``'s model.
+
+    Raises ``LiteturboError`` when the text is shorter than one window or ``seqlen`` exceeds the KV pool.
+    """
+    t0 = time.perf_counter()
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    n_win = len(ids) // seqlen
+    if n_win == 0:
+        raise LiteturboError(f"the text has {len(ids)} tokens, fewer than one window of --seqlen {seqlen}")
+    if seqlen > engine.block_manager.num_blocks * engine.block_manager.block_size:
+        raise LiteturboError(f"--seqlen {seqlen} exceeds the KV pool; raise max_kv_tokens")
+    if max_windows:
+        n_win = min(n_win, max_windows)
+    nlls = [window_nll(engine, ids[i * seqlen:(i + 1) * seqlen])
+            for i in tqdm(range(n_win), desc="perplexity", unit="window", disable=not progress)]
+    return {"ppl": math.exp(sum(nlls) / len(nlls)), "tokens": n_win * seqlen, "windows": n_win,
+            "seconds": time.perf_counter() - t0}
