@@ -1,4 +1,8 @@
-"""Reading quantized linears out of a checkpoint's tensors, whatever format wrote them."""
+"""Reading quantized linears out of a checkpoint's tensors, whatever format wrote them.
+
+Supported ``quantization_config``s: AWQ GEMM (``quant_method: awq``), GPTQ v1/v2 (``quant_method: gptq``,
+honouring ``checkpoint_format``), compressed-tensors ``pack-quantized`` W4A16 (group or channel strategy).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,19 +12,25 @@ import torch
 from backends.types import QuantizedWeight
 
 from .awq import unpack_awq
+from .compressed_tensors import unpack_compressed
 from .errors import LiteturboError
+from .gptq import CHECKPOINT_FORMATS, unpack_gptq
 
-SUPPORTED_METHODS = ("awq",)
+SUPPORTED_METHODS = ("awq", "gptq", "compressed-tensors")
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """The parts of ``quantization_config`` the loader needs."""
+    """The parts of ``quantization_config`` the loader needs.
+
+    method: awq | gptq | compressed-tensors. zero_point: asymmetric. checkpoint_format: gptq | gptq_v2.
+    """
 
     method: str
     bits: int
     group_size: int
     zero_point: bool
+    checkpoint_format: str = ""
 
 
 def quantization_spec(config: dict) -> QuantSpec | None:
@@ -32,39 +42,72 @@ def quantization_spec(config: dict) -> QuantSpec | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
-    if method not in SUPPORTED_METHODS:
-        raise LiteturboError(f"quantization method {method!r} is not supported yet; supported: "
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise LiteturboError(f"AWQ version {version!r} is not supported; only 'gemm' checkpoints load")
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        spec = QuantSpec("awq", bits, int(qc.get("group_size", qc.get("q_group_size", 128))),
+                         bool(qc.get("zero_point", True)))
+    elif method == "gptq":
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in CHECKPOINT_FORMATS:
+            raise LiteturboError(f"GPTQ checkpoint_format {fmt!r} is not supported ({', '.join(CHECKPOINT_FORMATS)})")
+        spec = QuantSpec("gptq", int(qc.get("bits", 4)), int(qc.get("group_size", 128)),
+                         not bool(qc.get("sym", True)), fmt)
+    elif method == "compressed-tensors":
+        fmt = qc.get("format")
+        if fmt != "pack-quantized":
+            raise LiteturboError(f"compressed-tensors format {fmt!r} is not supported (only pack-quantized)")
+        groups = list((qc.get("config_groups") or {}).values())
+        if len(groups) != 1 or not groups[0].get("weights"):
+            raise LiteturboError("compressed-tensors checkpoints with several config_groups are not supported")
+        w = groups[0]["weights"]
+        if groups[0].get("input_activations"):
+            raise LiteturboError("compressed-tensors activation quantization is not supported (W4A16 only)")
+        gs = -1 if w.get("strategy") == "channel" else int(w.get("group_size") or -1)
+        spec = QuantSpec("compressed-tensors", int(w.get("num_bits", 4)), gs, not bool(w.get("symmetric", True)))
+    else:
+        raise LiteturboError(f"quantization method {method!r} is not supported; supported: "
                              f"{', '.join(SUPPORTED_METHODS)}")
-    version = str(qc.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise LiteturboError(f"AWQ version {version!r} is not supported; only 'gemm' checkpoints load")
-    bits = int(qc.get("bits", qc.get("w_bit", 4)))
-    if bits != 4:
-        raise LiteturboError(f"AWQ GEMM checkpoints with bits={bits} are not supported (only 4)")
-    gs = int(qc.get("group_size", qc.get("q_group_size", 128)))
-    return QuantSpec(method, bits, gs, bool(qc.get("zero_point", True)))
+    if spec.bits != 4:
+        raise LiteturboError(f"{spec.method} checkpoints with bits={spec.bits} are not supported (only 4)")
+    return spec
 
 
 def load_quantized_linears(state_dict: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, QuantizedWeight]:
-    """Pop every ``<prefix>.qweight`` (with its qzeros/scales/bias) from ``state_dict``.
+    """Pop every quantized linear (with its bias) from ``state_dict``.
 
     Returns ``{prefix: QuantizedWeight}``; ``prefix`` is the module path, e.g. ``model.layers.0.mlp.up_proj``.
-    Raises ``LiteturboError`` naming the tensor that is missing or malformed.
+    Raises ``LiteturboError`` naming the layer whose tensors are missing or malformed.
     """
+    marker = ".weight_packed" if spec.method == "compressed-tensors" else ".qweight"
     out = {}
-    prefixes = [k[: -len(".qweight")] for k in state_dict if k.endswith(".qweight")]
-    for p in prefixes:
+    for p in [k[: -len(marker)] for k in state_dict if k.endswith(marker)]:
         try:
+            bias = state_dict.pop(f"{p}.bias", None)
+            if spec.method == "compressed-tensors":
+                names = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+                tensors = {n: state_dict.pop(f"{p}.{n}") for n in names if f"{p}.{n}" in state_dict}
+                out[p] = unpack_compressed(tensors, spec.bits, spec.group_size, not spec.zero_point, bias)
+                continue
             qweight = state_dict.pop(f"{p}.qweight")
             scales = state_dict.pop(f"{p}.scales")
             qzeros = state_dict.pop(f"{p}.qzeros", None)
+            if spec.method == "awq":
+                if spec.zero_point and qzeros is None:
+                    raise KeyError(f"{p}.qzeros")
+                out[p] = unpack_awq(qweight, qzeros, scales, spec.bits, spec.group_size, spec.zero_point, bias)
+            else:
+                if qzeros is None:
+                    raise KeyError(f"{p}.qzeros")
+                g_idx = state_dict.pop(f"{p}.g_idx", None)
+                out[p] = unpack_gptq(qweight, qzeros, scales, g_idx, spec.bits, spec.group_size,
+                                     not spec.zero_point, spec.checkpoint_format, bias)
         except KeyError as e:
             raise LiteturboError(f"quantized layer {p} lacks tensor {e.args[0]}: the checkpoint is incomplete") from None
-        if spec.zero_point and qzeros is None:
-            raise LiteturboError(f"quantized layer {p} lacks {p}.qzeros although zero_point is true")
-        bias = state_dict.pop(f"{p}.bias", None)
-        try:
-            out[p] = unpack_awq(qweight, qzeros, scales, spec.bits, spec.group_size, spec.zero_point, bias)
         except (ValueError, RuntimeError) as e:
+            if isinstance(e, LiteturboError):
+                raise
             raise LiteturboError(f"quantized layer {p}: {e}") from e
     return out

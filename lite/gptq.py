@@ -1,0 +1,156 @@
+"""GPTQ: Hessian-aware one-shot weight quantization (Frantar et al., "GPTQ", ICLR 2023, Algorithm 1).
+
+Objective, per linear layer with calibration inputs ``X [n, in]``::
+
+    minimise_Q  || W X^T - Q X^T ||_F^2      (H = 2/n X^T X)
+
+solved column by column: quantize column ``i``, then spread its error over the not-yet-quantized columns
+with the inverse-Hessian row (Cholesky form, Sec. 3 "Step 3"), in blocks of ``block_size`` columns (lazy
+batch updates, Sec. 3 "Step 2"). ``act_order`` quantizes columns by descending Hessian diagonal
+(the "desc_act" heuristic of the reference implementation); groups then follow that order unless
+``static_groups``.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from backends.types import QuantizedWeight
+
+
+class HessianAccumulator:
+    """Running ``H = 2/n · Σ x xᵀ`` over calibration rows ``x [*, in]`` (float32)."""
+
+    def __init__(self, in_features: int, device: torch.device | str = "cpu") -> None:
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add rows ``x [..., in]``; non-finite rows are skipped (with a warning)."""
+        x = x.reshape(-1, x.shape[-1]).float()
+        ok = torch.isfinite(x).all(-1)
+        if not bool(ok.all()):
+            warnings.warn(f"GPTQ: skipped {int((~ok).sum())} calibration rows with NaN/inf activations")
+            x = x[ok]
+        m = x.shape[0]
+        if m == 0:
+            return
+        self.H.mul_(self.n / (self.n + m))
+        self.n += m
+        x = x * (2.0 / self.n) ** 0.5
+        self.H.addmm_(x.t(), x)
+
+
+def _group_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0):
+    """Scale/zero for a group of columns ``w [out, g]`` (range includes 0). Returns float32 ``[out]`` each."""
+    qmax = (1 << bits) - 1
+    if sym:
+        amax = w.abs().amax(1).clamp(min=1e-8)
+        half = 1 << (bits - 1)
+        scale = (amax / (half - 1)).to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
+        zero = torch.full_like(scale, half)
+    else:
+        wmin, wmax = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
+        scale = ((wmax - wmin).clamp(min=1e-8) / qmax).to(torch.float16).float()
+        scale = scale.clamp(min=torch.finfo(torch.float16).tiny)
+        zero = torch.clamp(torch.round(-wmin / scale), min_zero, qmax)
+    return scale, zero
+
+
+def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False,
+                  act_order: bool = False, static_groups: bool = False, block_size: int = 128,
+                  damp_percent: float = 0.01, min_zero: int = 0, bias: torch.Tensor | None = None) -> QuantizedWeight:
+    """Quantize ``weight [out, in]`` given Hessian ``H [in, in]``; returns a :class:`QuantizedWeight`.
+
+    Dampening: ``damp_percent`` of the mean Hessian diagonal is added; if the Cholesky factorization still
+    fails it is raised tenfold (up to 5 times). Dead input channels (zero Hessian diagonal) get weight 0 in
+    the error propagation (their codes quantize the original weight). ``min_zero=1`` keeps asymmetric zero
+    points representable in the GPTQ v1 format (which stores ``zero - 1``). ``g_idx`` is set when
+    ``act_order`` (and always describes the true grouping). Raises ``ValueError`` for a bad group size.
+    """
+    W = weight.detach().float().clone()
+    out_f, in_f = W.shape
+    gs = in_f if group_size == -1 else group_size
+    if in_f % gs:
+        raise ValueError(f"in_features={in_f} is not divisible by group_size={gs}")
+    H = H.detach().float().clone()
+    if not torch.isfinite(H).all():
+        warnings.warn("GPTQ: non-finite Hessian; falling back to round-to-nearest for this layer")
+        H = torch.eye(in_f)
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    n_groups = in_f // gs
+
+    # static groups: parameters from the original (unpermuted) weight before any update
+    static = None
+    if static_groups:
+        static = [_group_params(W[:, g * gs:(g + 1) * gs], bits, sym, min_zero) for g in range(n_groups)]
+
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    invperm = torch.argsort(perm) if perm is not None else None
+
+    diag_mean = torch.mean(torch.diag(H))
+    damp = damp_percent * diag_mean
+    for attempt in range(6):
+        try:
+            Hd = H + damp * torch.eye(in_f)
+            L = torch.linalg.cholesky(Hd)
+            Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+            if not torch.isfinite(Hinv).all():
+                raise torch.linalg.LinAlgError("non-finite inverse")
+            break
+        except torch.linalg.LinAlgError:
+            if attempt == 5:
+                warnings.warn("GPTQ: Hessian not positive definite even with heavy dampening; using RTN")
+                Hinv = torch.eye(in_f)
+                break
+            damp = damp * 10 if damp > 0 else 1e-6 * max(float(diag_mean), 1.0)
+
+    Q = torch.zeros_like(W)
+    scales = torch.zeros(n_groups, out_f)
+    zeros = torch.zeros(n_groups, out_f)
+    cur_scale = cur_zero = None
+    qmax = (1 << bits) - 1
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if static is not None:
+                g = (int(perm[col]) if perm is not None else col) // gs
+                cur_scale, cur_zero = static[g]
+            elif col % gs == 0:
+                # parameters from the *updated* weights of the next group, in quantization order
+                block = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :gs]
+                cur_scale, cur_zero = _group_params(block, bits, sym, min_zero)
+                g = col // gs
+                scales[g], zeros[g] = cur_scale, cur_zero
+            w = W1[:, i]
+            q = torch.clamp(torch.round(w / cur_scale) + cur_zero, 0, qmax)
+            Q1[:, i] = q
+            err = (w - (q - cur_zero) * cur_scale) / Hinv1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+    if static is not None:
+        for g, (s, z) in enumerate(static):
+            scales[g], zeros[g] = s, z
+    if invperm is not None:
+        Q = Q[:, invperm]
+    cols = torch.arange(in_f)
+    if act_order and not static_groups:
+        g_idx = (invperm // gs).to(torch.int32)  # column c was quantized at position invperm[c]
+    else:
+        g_idx = (cols // gs).to(torch.int32)
+    return QuantizedWeight(bits=bits, group_size=group_size, sym=sym, qweight=Q.to(torch.uint8),
+                           qzeros=zeros.to(torch.uint8), scales=scales.to(torch.float16),
+                           g_idx=g_idx if act_order else None, bias=bias)
