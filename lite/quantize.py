@@ -1,17 +1,10 @@
 """The quantization pipeline: read a checkpoint, quantize the decoder linears, write a W4A16 checkpoint."""
 from __future__ import annotations
 
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
-from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_dir, awq_quantization_config,
-                      copy_tokenizer_files, load_config, load_state_dict, pack_awq, resolve_model, write_json)
-from .rtn import quantize_rtn
+from .formats import DECODER_LINEARS, LiteturboError
 
 
 @dataclass
@@ -62,42 +55,15 @@ def check_group_size(state_dict: dict, names: list[str], group_size: int) -> Non
 
 
 def quantize_checkpoint(model: str | None, qcfg: QuantConfig, method: str = "rtn") -> Path:
-    """Quantize ``model`` (name or folder) with ``method`` and write an AWQ GEMM checkpoint to ``qcfg.work_dir``.
+    """Round-to-nearest quantization of ``model`` into an AWQ GEMM checkpoint at ``qcfg.work_dir``.
 
-    Validates everything (architecture, group-size divisibility, output folder) before any work. Returns the
-    output folder. Raises ``LiteturboError`` for bad input.
+    A thin front of :func:`lite.pipeline.quantize_model` (layer by layer, atomic output). Raises
+    ``LiteturboError`` for bad input, before any work.
     """
-    t0 = time.perf_counter()
-    src = resolve_model(model)
-    config = load_config(src)
-    arch_spec(config)
-    if config.get("quantization_config"):
-        raise LiteturboError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')}); "
-                             f"start from a 16/32-bit checkpoint")
-    out = Path(qcfg.work_dir).expanduser().absolute()
-    if out.exists() and not qcfg.overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise LiteturboError(f"{out} already exists; choose another --work-dir or pass --overwrite")
-    sd = load_state_dict(src)
-    names = decoder_linear_names(sd, int(config["num_hidden_layers"]))
-    if not names:
-        raise LiteturboError(f"no decoder linear weights (model.layers.N.*_proj.weight) found in {src}")
-    check_group_size(sd, names, qcfg.w_group_size)
+    from .pipeline import PipelineConfig, quantize_model
 
     if method != "rtn":
-        raise LiteturboError(f"unknown method {method!r}")
-    with atomic_output_dir(out, overwrite=qcfg.overwrite) as tmp:
-        from safetensors.torch import save_file
-
-        for p in tqdm(names, desc=f"{method} W{qcfg.w_bits}A16 g{qcfg.w_group_size}", unit="linear"):
-            w = sd.pop(f"{p}.weight")
-            qw = quantize_rtn(w, qcfg.w_bits, qcfg.w_group_size, qcfg.w_sym)
-            for k, v in pack_awq(qw).items():
-                sd[f"{p}.{k}"] = v
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        config = dict(config)
-        config["quantization_config"] = awq_quantization_config(qcfg.w_bits, qcfg.w_group_size, not qcfg.w_sym)
-        write_json(tmp / "config.json", config)
-        copy_tokenizer_files(src, tmp)
-    print(f"[liteturbo] wrote {out} ({len(names)} linears, {time.perf_counter() - t0:.1f}s)", file=sys.stderr)
-    return out
+        raise LiteturboError(f"quantize_checkpoint runs rtn only; use lite.pipeline.quantize_model for {method}")
+    cfg = PipelineConfig(method="rtn", w_bits=qcfg.w_bits, w_group_size=qcfg.w_group_size, w_sym=qcfg.w_sym,
+                         out_format="awq", device="cpu")
+    return quantize_model(model, cfg, qcfg.work_dir, overwrite=qcfg.overwrite)

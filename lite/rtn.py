@@ -47,3 +47,12 @@ def quantize_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym
         scales=scales.t().contiguous(),
         bias=bias,
     )
+
+
+def fake_quantize(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False) -> torch.Tensor:
+    """Quantize then dequantize ``weight [out, in]`` with :func:`quantize_rtn`'s rule; float32 result.
+
+    Vectorised for the search loops of AWQ (scale and clip grids); identical numbers to
+    ``quantize_rtn(...).dequantize()``.
+    """
+    return quantize_rtn(weight, bits, group_size, sym).dequantize(torch.float32)

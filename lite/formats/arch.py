@@ -52,3 +52,35 @@ def arch_spec(config: dict) -> ArchSpec:
             f"Qwen2ForCausalLM, Qwen3ForCausalLM)"
         )
     return ARCHITECTURES[mt]
+
+
+@dataclass(frozen=True)
+class ScalingGroup:
+    """One AWQ scaling group: ``prev`` (a norm or linear inside the decoder layer) feeds ``linears``;
+    ``inspect`` is the module whose output error scores a candidate scale (``""`` = the linears themselves).
+    ``needs_same_width``: only when ``prev``'s output width equals the linears' input width (v → o without GQA).
+    """
+
+    prev: str
+    linears: tuple[str, ...]
+    inspect: str
+    needs_same_width: bool = False
+
+
+# Llama/Mistral/Qwen2/Qwen3 share these (AutoAWQ's per-model ``get_layers_for_scaling``, as data).
+LLAMA_SCALING_GROUPS = (
+    ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+    ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj", needs_same_width=True),
+    ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    ScalingGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+)
+# GPTQ true-sequential order: each set is quantized after the ones before it, on their quantized outputs.
+LLAMA_SEQUENTIAL = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",),
+)
+# linears whose clipping AWQ skips (q/k feed a softmax through their product; clipping them hurts)
+LLAMA_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+SCALING_GROUPS = {name: LLAMA_SCALING_GROUPS for name in ARCHITECTURES}
+SEQUENTIAL_ORDER = {name: LLAMA_SEQUENTIAL for name in ARCHITECTURES}
+NO_CLIP = {name: LLAMA_NO_CLIP for name in ARCHITECTURES}

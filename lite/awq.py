@@ -1,0 +1,122 @@
+"""AWQ: activation-aware weight quantization (Lin et al., "AWQ", MLSys 2024).
+
+Per scaling group (a previous op feeding a set of linears; table :data:`lite.formats.arch.SCALING_GROUPS`):
+
+    s* = argmin_s || f(Q(W · diag(s)) · diag(s)⁻¹ X) − f(W X) ||²,   s = s_x^α / s_w^(1−α)   (Sec. 3.2)
+
+where ``f`` is the module the group feeds (attention block, MLP, or the linear itself), ``s_x`` the mean
+|activation| per input channel, ``s_w`` the mean group-normalised |weight| per input channel ("duo scaling",
+as in AutoAWQ), α on a grid of ``n_grid`` values in [0, 1). ``s`` is folded into the previous op
+(norm weight or previous linear's output rows) so the fp model is unchanged. Then a clipping search per
+linear shrinks each group's max |w| to minimise the output error on sampled tokens (AutoAWQ ``auto_clip``).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from .rtn import fake_quantize
+
+
+def activation_scale(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Mean |x| per input channel over all calibration tokens; float32 ``[in]``. Non-finite rows skipped."""
+    total, n = None, 0
+    for x in xs:
+        x = x.reshape(-1, x.shape[-1]).float()
+        ok = torch.isfinite(x).all(-1)
+        x = x[ok]
+        s = x.abs().sum(0)
+        total = s if total is None else total + s
+        n += x.shape[0]
+    if total is None or n == 0:
+        raise ValueError("no finite calibration activations")
+    return total / n
+
+
+def weight_scale(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Mean over output rows of |w| normalised by its group max, per input channel; float32 ``[in]``."""
+    w = torch.cat([x.float() for x in weights], 0)
+    out_f, in_f = w.shape
+    gs = in_f if group_size == -1 else group_size
+    g = w.abs().view(out_f, in_f // gs, gs)
+    g = g / (g.amax(-1, keepdim=True) + 1e-6)
+    return g.view(out_f, in_f).mean(0)
+
+
+def search_scales(weights: list[torch.Tensor], x_mean: torch.Tensor, w_mean: torch.Tensor,
+                  forward: Callable[[list[torch.Tensor]], torch.Tensor], reference: torch.Tensor,
+                  bits: int, group_size: int, sym: bool, n_grid: int = 20, duo_scaling: bool = True):
+    """Grid search of the AWQ scale exponent α.
+
+    ``forward(ws)`` runs the inspected module with the linears' weights replaced by ``ws`` and returns its
+    output, compared with ``reference`` (the fp output) by mean squared error. Returns ``(scales [in],
+    best_alpha, best_loss)``; ``scales`` is all ones (no-op) when every candidate loss is non-finite.
+    """
+    x_mean = torch.nan_to_num(x_mean.float(), nan=0.0, posinf=0.0).clamp(min=0)
+    w_mean = torch.nan_to_num(w_mean.float(), nan=0.0, posinf=0.0).clamp(min=0)
+    best = (torch.ones_like(x_mean), -1.0, float("inf"))
+    for i in range(n_grid):
+        alpha = i / n_grid
+        if duo_scaling:
+            s = x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)
+        else:
+            s = x_mean.pow(alpha)
+        s = s.clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        if not torch.isfinite(s).all():
+            continue
+        ws = [fake_quantize(w.float() * s, bits, group_size, sym) / s for w in weights]
+        out = forward(ws)
+        loss = float((out.float() - reference.float()).pow(2).mean())
+        if loss < best[2]:
+            best = (s, alpha, loss)
+    if best[1] < 0:
+        warnings.warn("AWQ: every scale candidate gave a non-finite loss; keeping this group unscaled")
+    return best
+
+
+def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, sym: bool,
+                n_grid: int = 20, max_shrink: float = 0.5, n_tokens: int = 512, batch: int = 64) -> torch.Tensor:
+    """Per-group clipping threshold ``[out, n_groups]`` minimising the group-wise output error (AWQ clip).
+
+    ``x [n, in]`` are the linear's (scaled) inputs; ``n_tokens`` of them, evenly spaced, are used. Output
+    rows are processed in batches of ``batch`` (any ``out``, no divisibility needed).
+    """
+    w = weight.float()
+    out_f, in_f = w.shape
+    gs = in_f if group_size == -1 else group_size
+    ng = in_f // gs
+    x = x.reshape(-1, in_f).float()
+    x = x[torch.isfinite(x).all(-1)]
+    if x.shape[0] == 0:
+        return w.abs().view(out_f, ng, gs).amax(-1)
+    step = max(1, x.shape[0] // n_tokens)
+    xs = x[::step][:n_tokens].view(-1, ng, gs)  # [t, ng, gs]
+    best_all = []
+    for o in range(0, out_f, batch):
+        wb = w[o:o + batch].view(-1, ng, gs)  # [b, ng, gs]
+        org_max = wb.abs().amax(-1, keepdim=True)  # [b, ng, 1]
+        ref = torch.einsum("tgk,bgk->btg", xs, wb)
+        best_max = org_max.clone()
+        best_err = torch.full(org_max.shape, float("inf"))
+        for i in range(int(max_shrink * n_grid)):
+            mx = org_max * (1 - i / n_grid)
+            cw = torch.clamp(wb, -mx, mx)
+            qw = fake_quantize(cw.view(-1, in_f), bits, group_size, sym).view_as(cw)
+            err = (torch.einsum("tgk,bgk->btg", xs, qw) - ref).pow(2).mean(1).unsqueeze(-1)  # [b, ng, 1]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better, mx, best_max)
+        best_all.append(best_max.squeeze(-1))
+    return torch.cat(best_all, 0)
+
+
+def apply_clip(weight: torch.Tensor, max_val: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Clamp each group of ``weight [out, in]`` to ``[-max_val, max_val]`` (``max_val [out, n_groups]``)."""
+    out_f, in_f = weight.shape
+    gs = in_f if group_size == -1 else group_size
+    w = weight.float().view(out_f, in_f // gs, gs)
+    m = max_val.unsqueeze(-1)
+    return torch.clamp(w, -m, m).view(out_f, in_f).to(weight.dtype)
