@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from backends.types import QuantizedWeight
 
-from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_dir, copy_tokenizer_files,
+from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_dir, check_output_dir,
+                      copy_tokenizer_files,
                       load_config, resolve_model, write_json)
 from .formats.arch import NO_CLIP, SCALING_GROUPS, SEQUENTIAL_ORDER
 from .formats.awq import awq_quantization_config, pack_awq, unpack_awq
@@ -125,7 +126,7 @@ class LazyCheckpoint:
             cfg = AutoConfig.from_pretrained(str(path))
             with init_empty_weights():
                 self.model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except Exception as e:  # transformers raises many types for malformed configs
             raise LiteturboError(f"transformers cannot build the model from {path / 'config.json'}: {e}") from e
         self.model.eval()
         self.files = {}
@@ -418,9 +419,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     arch_spec(config)
     if config.get("quantization_config"):
         raise LiteturboError(f"{src} is already quantized; start from a 16/32-bit checkpoint")
-    out = Path(work_dir).expanduser().absolute()
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise LiteturboError(f"{out} already exists; choose another --work-dir or pass --overwrite")
+    out = check_output_dir(Path(work_dir), overwrite, source=src)
     device = cfg.torch_device()
     torch.manual_seed(cfg.seed)
     lazy = LazyCheckpoint(src, device)

@@ -105,3 +105,35 @@ def test_bad_prompts_have_clear_errors(engine):
     with pytest.raises(LiteturboError, match="closed"):
         s.chat("hello")
     assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]
+
+
+def test_second_turn_while_streaming_is_refused(engine):
+    s = engine.session()
+    it = s.chat("Name three colors.", stream=True, max_new_tokens=15)
+    first = next(it)
+    with pytest.raises(LiteturboError, match="still streaming"):
+        s.chat("What is 2+2?", max_new_tokens=10)
+    rest = "".join(it)
+    assert s.messages[-1]["content"] == first + rest
+    assert s.chat("What is 2+2?", max_new_tokens=10)  # idle again
+    never_started = s.chat("unused", stream=True)
+    del never_started  # a stream never iterated holds nothing
+    assert s.chat("Thanks!", max_new_tokens=5) is not None
+    s.close()
+
+
+def test_bad_options_are_liteturbo_errors(engine, smollm2_rtn_g64):
+    with pytest.raises(LiteturboError, match="backend"):
+        Engine(smollm2_rtn_g64, backend="triton")
+    with pytest.raises(LiteturboError, match="device"):
+        Engine(smollm2_rtn_g64, device="bogus")
+    with pytest.raises(LiteturboError, match="Engine option"):
+        Engine(smollm2_rtn_g64, bogus=1)
+    s = engine.session()
+    with pytest.raises(LiteturboError, match="must be a str"):
+        s.chat(None)
+    with pytest.raises(LiteturboError, match="finite"):
+        s.chat("hi", temperature=float("nan"))
+    with pytest.raises(LiteturboError, match="generation option"):
+        s.chat("hi", foo=1)
+    s.close()

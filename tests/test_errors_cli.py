@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -99,3 +100,35 @@ def test_cli_rtn_writes_awq_checkpoint_and_chat_reads_piped_stdin(smollm2_path, 
 def test_cli_bad_model_path_is_one_line(tmp_path):
     r = CliRunner().invoke(main, ["chat", str(tmp_path / "missing")], input="")
     assert r.exit_code == 2 and r.output.startswith("error:") and "Traceback" not in r.output
+
+
+def test_overwrite_never_destroys_the_source_or_other_folders(tmp_path, monkeypatch):
+    from lite.formats import check_output_dir
+
+    src = tmp_path / "parent" / "fp"
+    src.mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    with pytest.raises(LiteturboError, match="input checkpoint"):
+        check_output_dir(src, overwrite=True, source=src)
+    with pytest.raises(LiteturboError, match="input checkpoint"):
+        check_output_dir(tmp_path / "parent", overwrite=True, source=src)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("precious")
+    with pytest.raises(LiteturboError, match="not a checkpoint folder"):
+        check_output_dir(other, overwrite=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LiteturboError, match="refusing"):
+        check_output_dir(Path("."), overwrite=True)
+    assert (other / "keep.txt").read_text() == "precious" and src.is_dir()
+    old = tmp_path / "oldq"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    assert check_output_dir(old, overwrite=True) == old.absolute()
+
+
+def test_eval_ppl_and_chat_bad_values(tmp_path):
+    for args, msg in ((["--seqlen", "1"], "at least 2"), (["--max-windows", "0"], "at least 1"),
+                      (["--max-windows", "-2"], "at least 1")):
+        r = CliRunner().invoke(main, ["lite", "eval-ppl", str(tmp_path / "missing"), *args])
+        assert r.exit_code == 2 and msg in r.output, r.output

@@ -64,6 +64,10 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json) -> None:
     from turbo import Engine, EngineConfig
     from turbo.perplexity import perplexity
 
+    if seqlen < 2:
+        raise LiteturboError(f"--seqlen must be at least 2 tokens, got {seqlen}")
+    if max_windows is not None and max_windows < 1:
+        raise LiteturboError(f"--max-windows must be at least 1, got {max_windows} (leave it out to score all)")
     if dataset != "wikitext2":
         raise LiteturboError(f"--dataset {dataset!r}: only wikitext2 has a test split for perplexity")
     engine = Engine(model, EngineConfig(dtype=dtype, max_kv_tokens=seqlen, lm_head="16bit"))
@@ -107,11 +111,15 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
         line = line.strip()
         if not line:
             continue
-        if line in ("/exit", "/quit"):
-            break
-        if line == "/reset":
-            session.reset()
-            click.echo("[session reset]")
+        if line.startswith("/"):
+            cmd = line.split()[0].lower()
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/reset":
+                session.reset()
+                click.echo("[session reset]")
+                continue
+            click.echo(f"unknown command {cmd}; commands: /reset, /exit", err=True)
             continue
         if not interactive:
             click.echo(f"user: {line}")
@@ -120,7 +128,7 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
             for piece in session.chat(line, stream=True, gen=gen):
                 click.echo(piece, nl=False)
         except LiteturboError as e:
-            click.echo(f"\nerror: {e}", err=True)
+            click.echo(f"\nerror: {e}; type /reset to start a new conversation", err=True)
             continue
         click.echo()
         out = session.last

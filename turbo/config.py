@@ -1,6 +1,7 @@
 """Configs of the engine and of one generation request, validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,11 @@ class EngineConfig:
                 raise LiteturboError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lm_head not in ("auto", "int8", "16bit"):
             raise LiteturboError(f"lm_head must be auto, int8 or 16bit, got {self.lm_head!r}")
+        dev = str(self.device)
+        if not (dev == "cpu" or dev.startswith("cuda")):
+            raise LiteturboError(f"device must be cpu or cuda[:N], got {dev!r}")
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            raise LiteturboError("device cuda was asked for but no CUDA GPU is available; use device='cpu'")
         if self.session_len is not None and self.session_len <= 1:
             raise LiteturboError(f"session_len must be > 1, got {self.session_len}")
 
@@ -73,6 +79,9 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise LiteturboError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise LiteturboError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise LiteturboError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

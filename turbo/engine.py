@@ -104,9 +104,15 @@ class Engine:
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **kwargs) -> None:
         from transformers import AutoTokenizer
 
-        self.config = config or EngineConfig(**kwargs)
+        try:
+            self.config = config or EngineConfig(**kwargs)
+        except TypeError as e:
+            raise LiteturboError(f"bad Engine option: {e}") from None
         self.path = resolve_model(model)
-        self.backend = get_backend(self.config.backend, self.config.device)
+        try:
+            self.backend = get_backend(self.config.backend, self.config.device)
+        except (ValueError, RuntimeError) as e:
+            raise LiteturboError(str(e)) from None
         self.dtype = self.config.torch_dtype()
         raw_cfg = load_config(self.path)
         lm_int8 = self.config.lm_head == "int8" or (
@@ -156,7 +162,7 @@ class Engine:
     def stream(self, prompt: str | list[int], gen: GenerationConfig | None = None,
                **kwargs) -> Iterator[str | GenerationOutput]:
         """Yield text pieces, then the :class:`GenerationOutput` as the last item."""
-        gen = gen or GenerationConfig(**kwargs)
+        gen = gen or _gen_config(kwargs)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         seq = Sequence()
         try:
@@ -256,6 +262,13 @@ class Engine:
                                cached_tokens=common, ttft=ttft, decode_seconds=decode_s)
 
 
+def _gen_config(kwargs: dict) -> GenerationConfig:
+    try:
+        return GenerationConfig(**kwargs)
+    except TypeError as e:
+        raise LiteturboError(f"bad generation option: {e}") from None
+
+
 class Session:
     """A stateful chat: messages, their token history and (while open) KV blocks kept between turns.
 
@@ -269,6 +282,7 @@ class Session:
         self.messages: list[dict] = [] if system is None else [{"role": "system", "content": system}]
         self.seq = Sequence()
         self.closed = False
+        self.busy = False
         self.last: GenerationOutput | None = None
 
     def chat(self, message: str, stream: bool = False, gen: GenerationConfig | None = None, **kwargs):
@@ -280,19 +294,29 @@ class Session:
         """
         if self.closed:
             raise LiteturboError("this session is closed; open a new one with engine.session()")
-        if not isinstance(message, str) or not message.strip():
+        self._check_idle()
+        if not isinstance(message, str):
+            raise LiteturboError(f"the message must be a str, got {type(message).__name__}")
+        if not message.strip():
             raise LiteturboError("the message is empty: type some text")
-        gen = gen or GenerationConfig(**kwargs)
+        gen = gen or _gen_config(kwargs)
         it = self._turn(message, gen)
         if stream:
             return it
         return "".join(it)
 
+    def _check_idle(self) -> None:
+        if self.busy:
+            raise LiteturboError("a reply is still streaming on this session; read it to the end or close() the "
+                                 "stream first (or open another session)")
+
     def _turn(self, message: str, gen: GenerationConfig) -> Iterator[str]:
+        self._check_idle()  # runs at the first next(): a stream never started holds nothing
         messages = self.messages + [{"role": "user", "content": message}]
         ids = self.engine.chat_template_ids(messages)
         pieces: list[str] = []
         out = None
+        self.busy = True
         try:
             for item in self.engine._generate(self.seq, ids, gen):
                 if isinstance(item, GenerationOutput):
@@ -306,9 +330,11 @@ class Session:
             if out is not None or pieces:
                 self.messages = messages + [{"role": "assistant", "content": reply}]
             self.last = out
+            self.busy = False
 
     def reset(self) -> None:
         """Forget the conversation (keeps the system prompt) and free its KV blocks."""
+        self._check_idle()
         self.engine.block_manager.free(self.seq.block_table)
         self.seq = Sequence()
         self.messages = self.messages[:1] if self.system is not None else []

@@ -46,6 +46,13 @@ def perplexity(engine: Engine, text: str, seqlen: int = 2048, max_windows: int |
 
     Raises ``LiteturboError`` when the text is shorter than one window or ``seqlen`` exceeds the KV pool.
     """
+    if seqlen < 2:
+        raise LiteturboError(f"--seqlen must be at least 2 tokens, got {seqlen}")
+    if seqlen > engine.model.cfg.max_position_embeddings:
+        raise LiteturboError(f"--seqlen {seqlen} exceeds the model's context of "
+                             f"{engine.model.cfg.max_position_embeddings} tokens")
+    if max_windows is not None and max_windows < 1:
+        raise LiteturboError(f"--max-windows must be at least 1, got {max_windows} (leave it out to score all)")
     t0 = time.perf_counter()
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
     n_win = len(ids) // seqlen

@@ -65,7 +65,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
     cfg = model.config.to_dict()
     for k in ("quantization_config", "_name_or_path", "transformers_version"):
         cfg.pop(k, None)
-    cfg["dtype"] = str(dtype).replace("torch.", "")
+    cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")  # new and old transformers keys
+    cfg["architectures"] = [type(model).__name__]
     tied = bool(cfg.get("tie_word_embeddings", False))
     sd = {}
     for k, v in model.state_dict().items():
