@@ -79,6 +79,72 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json) -> None:
                    f"({r['seconds']:.0f} s)")
 
 
+def _calib_options(fn):
+    """Options shared by the calibrated methods (names as LMDeploy's ``lite`` uses them)."""
+    opts = [
+        click.option("--w-bits", default=4, show_default=True, help="Bits per weight."),
+        click.option("--w-group-size", default=128, show_default=True,
+                     help="Input channels per group (-1: per channel). SmolLM2-135M needs 64."),
+        click.option("--w-sym", is_flag=True, help="Symmetric quantization (no zero point)."),
+        click.option("--calib-dataset", default="c4", show_default=True,
+                     help="Bundled name (c4, wikitext2, zh) or a .txt/.jsonl/.parquet file or datasets folder."),
+        click.option("--calib-samples", default=128, show_default=True, help="Calibration windows."),
+        click.option("--calib-seqlen", default=512, show_default=True, help="Tokens per calibration window."),
+        click.option("--seed", default=42, show_default=True, help="Seed of the calibration sample."),
+        click.option("--format", "out_format", default=None,
+                     type=click.Choice(["awq", "gptq", "compressed-tensors"]),
+                     help="Output format (default: awq for auto-awq, gptq for gptq)."),
+        click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto."),
+        click.option("--work-dir", default="./work_dir", show_default=True, help="Output checkpoint folder."),
+        click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at --work-dir."),
+        click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+@lite.command("auto-awq")
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@_calib_options
+@click.option("--n-grid", default=20, show_default=True, help="Scale-search grid size.")
+@click.option("--no-clip", is_flag=True, help="Skip the weight-clipping search.")
+@friendly_errors
+def auto_awq(model, w_bits, w_group_size, w_sym, calib_dataset, calib_samples, calib_seqlen, seed, out_format,
+             device, work_dir, overwrite, resume, n_grid, no_clip) -> None:
+    """AWQ W4A16 (Lin et al. 2024): activation-aware scales and clipping, layer by layer."""
+    from lite.pipeline import PipelineConfig, quantize_model
+
+    cfg = PipelineConfig(method="awq", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
+                         calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                         seed=seed, device=device, n_grid=n_grid, clip=not no_clip)
+    quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
+
+
+@lite.command("gptq")
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@_calib_options
+@click.option("--act-order/--no-act-order", default=False, show_default=True,
+              help="Quantize columns by descending Hessian diagonal (desc_act; writes g_idx).")
+@click.option("--static-groups", is_flag=True, help="With --act-order: groups fixed before reordering.")
+@click.option("--damp-percent", default=0.01, show_default=True, help="Dampening, fraction of mean diag(H).")
+@click.option("--true-sequential/--no-true-sequential", default=True, show_default=True)
+@friendly_errors
+def gptq(model, w_bits, w_group_size, w_sym, calib_dataset, calib_samples, calib_seqlen, seed, out_format, device,
+         work_dir, overwrite, resume, act_order, static_groups, damp_percent, true_sequential) -> None:
+    """GPTQ W4A16 (Frantar et al. 2023): Hessian-aware rounding, layer by layer."""
+    from lite.pipeline import PipelineConfig, quantize_model
+
+    cfg = PipelineConfig(method="gptq", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
+                         calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                         seed=seed, device=device, act_order=act_order, static_groups=static_groups,
+                         damp_percent=damp_percent, true_sequential=true_sequential)
+    quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
+
+
+lite.add_command(gptq, "auto-gptq")
+
+
 @main.command()
 @click.argument("model", required=False, default=DEFAULT_MODEL)
 @click.option("--max-new-tokens", default=256, show_default=True)
