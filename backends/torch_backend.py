@@ -28,6 +28,7 @@ class Int4PackHandle:
     out_features: int
     bias: torch.Tensor | None
     dtype: torch.dtype
+    in_perm: torch.Tensor | None = None  # act-order: input channels sorted by group, applied to x per call
 
 
 @dataclass
@@ -39,15 +40,28 @@ class DequantHandle:
     bias: torch.Tensor | None
 
 
+def act_order_permutation(qw: QuantizedWeight) -> torch.Tensor | None:
+    """For an act-order ``g_idx`` whose groups all have ``group_size`` members: the input permutation that
+    makes groups contiguous (``x[:, perm] @ W[:, perm].T == x @ W.T``); ``None`` for trivial or irregular g_idx."""
+    if qw.has_trivial_g_idx():
+        return None
+    gs = qw.effective_group_size
+    perm = torch.argsort(qw.g_idx.long(), stable=True)
+    if not torch.equal(qw.g_idx.long()[perm], torch.arange(qw.in_features) // gs):
+        return None
+    return perm
+
+
 def int4pack_supported(qw: QuantizedWeight, device: torch.device) -> bool:
-    """Whether torch's CPU int4pack kernel can hold ``qw`` without changing its numbers."""
+    """Whether torch's CPU int4pack kernel can hold ``qw`` without changing its numbers (act-order g_idx
+    is accepted when a permutation of the inputs makes its groups contiguous)."""
     return (
         device.type == "cpu"
         and qw.bits == 4
         and qw.out_features % 16 == 0  # the packer tiles N by 16
         and qw.effective_group_size in _INT4PACK_GROUP_SIZES
         and qw.in_features % qw.effective_group_size == 0
-        and qw.has_trivial_g_idx()
+        and (qw.has_trivial_g_idx() or act_order_permutation(qw) is not None)
         and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
     )
 
@@ -58,12 +72,14 @@ def pack_int4_for_cpu(qw: QuantizedWeight, dtype: torch.dtype) -> Int4PackHandle
     That kernel computes ``W = (q - 8) * scale + zero``; the canonical ``W = (q - z) * s`` maps onto it
     with ``zero = (8 - z) * s`` (exact up to the rounding of ``zero`` in ``dtype``).
     """
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.qweight.to(torch.int32).contiguous(), 2)
+    perm = act_order_permutation(qw)
+    codes = qw.qweight if perm is None else qw.qweight[:, perm]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
     s = qw.scales.float()
     zero = (8.0 - qw.qzeros.float()) * s
     scale_zeros = torch.stack([s, zero], dim=-1).to(dtype).contiguous()
     bias = None if qw.bias is None else qw.bias.to(dtype)
-    return Int4PackHandle(packed, scale_zeros, qw.effective_group_size, qw.out_features, bias, dtype)
+    return Int4PackHandle(packed, scale_zeros, qw.effective_group_size, qw.out_features, bias, dtype, perm)
 
 
 class TorchBackend(Backend):
@@ -89,6 +105,8 @@ class TorchBackend(Backend):
     def w4a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
         if isinstance(handle, Int4PackHandle):
             xin = x if x.dtype == handle.dtype else x.to(handle.dtype)
+            if handle.in_perm is not None:
+                xin = xin.index_select(-1, handle.in_perm)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, handle.packed, handle.group_size, handle.scale_zeros)
             if handle.bias is not None:
                 y = y + handle.bias

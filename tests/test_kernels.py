@@ -125,15 +125,16 @@ def test_w4a16_explicit_trivial_g_idx(int4_kernel, dtype):
 
 @pytest.mark.parametrize("int4_kernel", [True, False], ids=["int4pack", "dequant"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_w4a16_act_order_g_idx_falls_back_and_matches(int4_kernel, dtype):
-    out_f, in_f, gs = 104, 256, 32
+def test_w4a16_act_order_g_idx_matches(int4_kernel, dtype):
+    out_f, in_f, gs = 112, 256, 32
     perm = torch.randperm(in_f, generator=torch.Generator().manual_seed(5))
     g_idx = (perm // gs).to(torch.int32)  # each group still holds gs channels, scattered over the input
     qw = _random_qweight(out_f, in_f, gs, 21, g_idx=g_idx, bias=True)
     assert not qw.has_trivial_g_idx()
     be = TorchBackend("cpu", int4_kernel=int4_kernel)
     handle = be.prepare_w4a16(qw, dtype)
-    assert isinstance(handle, DequantHandle), "act-order g_idx must not go to the int4pack kernel"
+    # int4pack takes act-order through an input permutation (groups of equal size); else dequant fallback
+    assert isinstance(handle, Int4PackHandle if int4_kernel else DequantHandle)
     w_ref = _dense_ref_f64(qw.qweight, qw.qzeros, qw.scales, g_idx.tolist())
     gen = torch.Generator().manual_seed(22)
     for batch in (1, 17):
@@ -433,3 +434,17 @@ def test_quantize_rtn_rejects_indivisible_group():
         quantize_rtn(torch.randn(8, 100), bits=4, group_size=32)
     with pytest.raises(ValueError):
         quantize_rtn(torch.randn(8, 96), bits=4, group_size=64)
+
+
+def test_w4a16_irregular_g_idx_falls_back():
+    """A g_idx whose groups are not all group_size long cannot be permuted into int4pack: dequant path."""
+    out_f, in_f, gs = 64, 128, 32
+    g_idx = torch.zeros(in_f, dtype=torch.int32)
+    g_idx[40:] = torch.arange(88, dtype=torch.int32) % 4  # group 0 has 40+22 members, others fewer
+    qw = _random_qweight(out_f, in_f, gs, 23, g_idx=g_idx)
+    be = TorchBackend("cpu")
+    handle = be.prepare_w4a16(qw, torch.bfloat16)
+    assert isinstance(handle, DequantHandle)
+    w_ref = _dense_ref_f64(qw.qweight, qw.qzeros, qw.scales, g_idx.tolist())
+    x = torch.randn(3, in_f).to(torch.bfloat16)
+    _assert_close_rel(be.w4a16_linear(x, handle), x.double() @ w_ref.T, TOL[torch.bfloat16])
