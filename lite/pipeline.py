@@ -332,6 +332,24 @@ def _quantize_layer_rtn(layer, cfg: PipelineConfig) -> dict[str, QuantizedWeight
             for n in DECODER_LINEARS}
 
 
+def _sanitize(layer, idx: int, qws: dict[str, QuantizedWeight], cfg: PipelineConfig) -> dict[str, QuantizedWeight]:
+    """Never write NaN/inf: a weight whose scales came out non-finite is re-quantized with RTN (warned)."""
+    import warnings
+
+    from .rtn import quantize_rtn
+
+    for n, qw in qws.items():
+        if not torch.isfinite(qw.scales.float()).all():
+            warnings.warn(f"layer {idx} {n}: non-finite scales from {cfg.method}; falling back to RTN for this linear")
+            w = torch.nan_to_num(layer.get_submodule(n).weight.data.float(), nan=0.0, posinf=0.0, neginf=0.0)
+            qws[n] = quantize_rtn(w, cfg.w_bits, cfg.w_group_size, cfg.w_sym)
+    for n, p in layer.named_parameters():
+        if not torch.isfinite(p.data).all():
+            warnings.warn(f"layer {idx} {n}: non-finite values replaced by 0")
+            p.data = torch.nan_to_num(p.data, nan=0.0, posinf=0.0, neginf=0.0)
+    return qws
+
+
 # ----------------------------------------------------------------------------------------------------
 def _pack(qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]:
     if fmt == "awq":
@@ -474,7 +492,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
                 qws = _quantize_layer_awq(layer, inps, kws, cfg, SCALING_GROUPS[mt], NO_CLIP[mt])
             else:
                 qws = _quantize_layer_rtn(layer, cfg)
-            tensors = _layer_tensors(layer, i, qws, cfg, dtypes)
+            tensors = _layer_tensors(layer, i, _sanitize(layer, i, qws, cfg), cfg, dtypes)
             tmp = f.with_suffix(".tmp")
             save_file(tensors, str(tmp))
             os.replace(tmp, f)

@@ -16,7 +16,8 @@ def run_turbo_logits(model, token_chunks: list[list[int]], block_size: int = 4, 
 
     bm = BlockManager(num_blocks, block_size)
     # scatter the sequence over non-adjacent blocks to exercise the block table
-    bm.free_queue.rotate(3)
+    for b in list(bm.free_queue)[:3]:  # start the sequence on non-adjacent blocks
+        bm.free_queue.move_to_end(b)
     runner = ModelRunner(model, num_blocks, block_size)
     table: list[int] = []
     tokens: list[int] = []

@@ -47,11 +47,12 @@ def test_three_turn_session_equals_stateless_and_prefills_only_new_tokens(engine
             assert computed_before > 60
     messages = s.messages
     s.close()
-    # stateless: each full conversation on a fresh sequence
+    # stateless: each full conversation on a fresh sequence of an engine without prefix caching
+    fresh = Engine(engine.path, EngineConfig(max_kv_tokens=4096, enable_prefix_caching=False))
     for i in range(3):
         conv = messages[: 2 * i + 1]
-        ids = engine.chat_template_ids(conv)
-        out = engine.generate(ids, gen)
+        ids = fresh.chat_template_ids(conv)
+        out = fresh.generate(ids, gen)
         assert out.cached_tokens == 0
         assert out.token_ids == stateful[i], f"turn {i + 1} differs"
     assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]

@@ -20,7 +20,8 @@ class EngineConfig:
     ``"auto"`` = bfloat16 where the CPU has native bf16 (else float32), float16 on GPUs.
     block_size: tokens per KV block. max_kv_tokens: KV pool size in tokens (rounded up to whole blocks).
     session_len: longest token history of one sequence (default: the model's max_position_embeddings,
-    capped by the pool). max_prefill_tokens: chunk size for long prompts.
+    capped by the pool). max_num_batched_tokens: tokens computed per step (long prompts are chunked to fit).
+    max_batch_size: sequences in the persistent batch at most.
     """
 
     backend: str = "auto"
@@ -29,13 +30,15 @@ class EngineConfig:
     block_size: int = 64
     max_kv_tokens: int = 16384
     session_len: int | None = None
-    max_prefill_tokens: int = 1024
+    max_num_batched_tokens: int = 1024
+    max_batch_size: int = 64
     lm_head: str = "auto"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise LiteturboError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_kv_tokens", "max_prefill_tokens"):
+        for name in ("block_size", "max_kv_tokens", "max_num_batched_tokens", "max_batch_size"):
             if getattr(self, name) <= 0:
                 raise LiteturboError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lm_head not in ("auto", "int8", "16bit"):

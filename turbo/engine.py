@@ -1,6 +1,12 @@
-"""The engine: model runner over a paged KV cache, sequences, and stateful chat sessions."""
+"""The engine: a persistent batch over a paged KV cache, requests, and stateful chat sessions.
+
+``step()`` asks the :class:`~turbo.scheduler.Scheduler` which sequences compute how many tokens, runs them
+as one flat batch through the :class:`ModelRunner`, and samples a token for every sequence whose tokens are
+all computed. Everything else (APIs, sessions, streaming) is built on ``add_request`` + ``step``.
+"""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,20 +18,12 @@ from backends import get_backend
 from backends.types import AttentionMetadata
 from lite.formats import LiteturboError, load_config, resolve_model
 
-from .block_manager import BlockManager, OutOfBlocks
+from .block_manager import BlockManager
 from .config import EngineConfig, GenerationConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .model import LlamaModel
 from .sampler import sample
-
-
-@dataclass
-class Sequence:
-    """A token history and its KV blocks. Tokens ``[:num_computed]`` have K/V in the cache."""
-
-    token_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
+from .scheduler import Scheduler, ScheduledStep, Sequence, Status
 
 
 @dataclass
@@ -33,7 +31,7 @@ class StepInput:
     """What the model runner computes in one step (the scheduler → runner contract).
 
     For each sequence ``b``: tokens ``token_ids[query_start[b]:query_start[b+1]]`` at ``positions``, its
-    block table, and whether to return logits for its last token (``logits_rows``).
+    block table, and the rows whose logits are returned (``logits_rows``).
     """
 
     token_ids: list[int]
@@ -47,7 +45,11 @@ class StepInput:
 
 @dataclass
 class GenerationOutput:
-    """Result of one request: text, generated ids, why it stopped, and timings (seconds)."""
+    """Result of one request: text, generated ids, why it stopped, and timings (seconds).
+
+    finish_reason: ``stop`` (EOS, stop string or stop id), ``length`` (max_new_tokens or the context),
+    ``cancelled``.
+    """
 
     text: str
     token_ids: list[int]
@@ -91,6 +93,37 @@ class ModelRunner:
         )
 
 
+@dataclass
+class Request:
+    """Engine-side state of one generation request over a :class:`Sequence`."""
+
+    seq: Sequence
+    gen: GenerationConfig
+    prompt_len: int
+    stop_ids: set[int]
+    detok: IncrementalDetokenizer
+    stopper: StopStringMatcher
+    rng: torch.Generator | None
+    keep_cache: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = -1
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_end: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take_text(self) -> str:
+        """Text produced since the last call."""
+        out = "".join(self.pending)
+        self.pending.clear()
+        return out
+
+
 class Engine:
     """Load a model (name, or 16/32-bit or W4A16 checkpoint folder) and generate with it.
 
@@ -122,7 +155,8 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         bs = self.config.block_size
         num_blocks = (self.config.max_kv_tokens + bs - 1) // bs
-        self.block_manager = BlockManager(num_blocks, bs)
+        self.block_manager = BlockManager(num_blocks, bs, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, bs)
         max_ctx = min(self.model.cfg.max_position_embeddings, num_blocks * bs)
         self.session_len = min(self.config.session_len or max_ctx, max_ctx)
@@ -130,17 +164,20 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "last_prefill_tokens": 0}
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "last_prefill_tokens": 0,
+                         "generated_tokens": 0, "busy_seconds": 0.0}
 
-    # ------------------------------------------------------------------------------------------
+    # --- info ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters: tokens prefilled/decoded in total and in the last request, blocks used/free."""
-        return dict(self.counters, blocks_total=self.block_manager.num_blocks,
-                    blocks_free=self.block_manager.num_free, kv_cache_bytes=self.runner.kv_bytes)
-
-    def session(self, system: str | None = None) -> "Session":
-        """A new stateful chat session (its KV cache survives between turns)."""
-        return Session(self, system)
+        """Counters: running/waiting requests, tokens prefilled/decoded, prefix-cache hits, blocks, tokens/s."""
+        c = dict(self.counters)
+        c["generation_tokens_per_s"] = c["generated_tokens"] / c["busy_seconds"] if c["busy_seconds"] else 0.0
+        return dict(c, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                    idle_sessions=len(self.scheduler.idle), cache_hit_tokens=self.block_manager.hit_tokens,
+                    blocks_total=self.block_manager.num_blocks, blocks_free=self.block_manager.num_free,
+                    block_size=self.block_manager.block_size, kv_cache_bytes=self.runner.kv_bytes)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens added."""
@@ -154,112 +191,182 @@ class Engine:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.encode(text)
 
-    def generate(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kwargs) -> GenerationOutput:
-        """Generate a completion of a plain prompt (text or token ids) statelessly."""
-        *_, out = self.stream(prompt, gen, **kwargs)
-        return out
+    def session(self, system: str | None = None) -> "Session":
+        """A new stateful chat session (its KV cache survives between turns while memory allows)."""
+        return Session(self, system)
 
-    def stream(self, prompt: str | list[int], gen: GenerationConfig | None = None,
-               **kwargs) -> Iterator[str | GenerationOutput]:
-        """Yield text pieces, then the :class:`GenerationOutput` as the last item."""
-        gen = gen or _gen_config(kwargs)
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        seq = Sequence()
-        try:
-            yield from self._generate(seq, ids, gen)
-        finally:
-            self.block_manager.free(seq.block_table)
-
-    # ------------------------------------------------------------------------------------------
+    # --- requests --------------------------------------------------------------------------------------
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise LiteturboError("the prompt is empty: give at least one token of text")
         if len(ids) >= self.session_len:
             raise LiteturboError(f"the prompt has {len(ids)} tokens but the context holds {self.session_len}; "
                                  f"shorten the prompt (or reset the session) or raise session_len/max_kv_tokens")
-        bad = [t for t in ids if not 0 <= t < self.model.cfg.vocab_size]
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size)]
         if bad:
             raise LiteturboError(f"token id {bad[0]} is outside the vocabulary (size {self.model.cfg.vocab_size})")
 
-    def _compute(self, seq: Sequence, end: int, want_logits: bool) -> torch.Tensor | None:
-        """Bring ``seq.num_computed`` up to ``end`` in one step; logits of token ``end-1`` if asked."""
-        start = seq.num_computed
-        bm = self.block_manager
-        try:
-            bm.ensure_capacity(seq.block_table, end)
-        except OutOfBlocks as e:
-            raise LiteturboError(f"the KV cache is full ({e}); raise max_kv_tokens or close idle sessions") from None
-        step = StepInput(
-            token_ids=seq.token_ids[start:end], positions=list(range(start, end)),
-            slot_mapping=bm.slots(seq.block_table, start, end), query_start=[0, end - start],
-            context_lens=[end], block_tables=[seq.block_table], logits_rows=[end - start - 1],
-        )
-        logits = self.runner.run(step)
-        seq.num_computed = end
-        self.counters["steps"] += 1
-        return logits[0] if want_logits else None
-
-    def _generate(self, seq: Sequence, prompt_ids: list[int], gen: GenerationConfig) -> Iterator:
-        """Reuse the cached prefix of ``seq`` shared with ``prompt_ids``, prefill the rest, decode."""
-        self._check_prompt(prompt_ids)
-        t0 = time.perf_counter()
-        # the KV of the longest common prefix stays; at least the last prompt token is recomputed for logits
-        common = 0
-        limit = min(seq.num_computed, len(prompt_ids) - 1)
-        while common < limit and seq.token_ids[common] == prompt_ids[common]:
-            common += 1
-        self.block_manager.truncate(seq.block_table, common)
-        seq.num_computed, seq.token_ids = common, list(prompt_ids)
-        n_prompt = len(prompt_ids)
-        chunk = self.config.max_prefill_tokens
-        logits = None
-        while seq.num_computed < n_prompt:
-            end = min(seq.num_computed + chunk, n_prompt)
-            logits = self._compute(seq, end, end == n_prompt)
-        self.counters["prefill_tokens"] += n_prompt - common
-        self.counters["last_prefill_tokens"] = n_prompt - common
-
-        gen_ids: list[int] = []
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stopper = StopStringMatcher(gen.stop)
+    def add_request(self, prompt: str | list[int], gen: GenerationConfig | None = None, priority: int = 0,
+                    seq: Sequence | None = None) -> Request:
+        """Queue a request; ``seq`` continues an existing sequence (a session), reusing its computed prefix."""
+        gen = gen or GenerationConfig()
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids)
+        if seq is None:
+            seq = Sequence(seq_id=next(self._ids), priority=priority)
+        else:
+            seq.priority = priority
+            common, limit = 0, min(seq.num_computed, len(ids) - 1)
+            while common < limit and seq.token_ids[common] == ids[common]:
+                common += 1
+            seq.num_computed = self.block_manager.truncate(seq.block_table, common)
+        seq.token_ids = ids
         rng = None
         if gen.temperature > 0:
             rng = torch.Generator()
             rng.manual_seed(gen.seed if gen.seed is not None else int(torch.seed() % (2**63)))
         stop_ids = set(gen.stop_token_ids) | (set() if gen.ignore_eos else self.eos_token_ids)
-        finish, ttft, t_first = "length", 0.0, t0
-        while True:
-            tok = sample(logits, gen.temperature, gen.top_k, gen.top_p, rng)
-            if not gen_ids:
-                t_first = time.perf_counter()
-                ttft = t_first - t0
-            gen_ids.append(tok)
-            seq.token_ids.append(tok)
-            if tok in stop_ids:
-                finish = "stop"
-                break
-            piece = stopper.feed(detok.add(tok))
-            if piece:
-                yield piece
-            if stopper.stopped:
-                finish = "stop"
-                break
-            if len(gen_ids) >= gen.max_new_tokens:
-                break
-            if len(seq.token_ids) >= self.session_len:
-                break
-            logits = self._compute(seq, len(seq.token_ids), True)
-            self.counters["decode_tokens"] += 1
-        tail = stopper.flush()
+        req = Request(seq=seq, gen=gen, prompt_len=len(ids), stop_ids=stop_ids,
+                      detok=IncrementalDetokenizer(self.tokenizer), stopper=StopStringMatcher(gen.stop), rng=rng)
+        self.requests[seq.seq_id] = req
+        self.scheduler.add(seq)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request now and free its blocks (a session keeps its computed tokens while memory allows)."""
+        if not req.finished:
+            self._finish(req, "cancelled")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.t_end = time.perf_counter()
+        tail = req.stopper.flush()
         if tail:
-            yield tail
-        decode_s = time.perf_counter() - t_first
-        text = self.tokenizer.decode([t for t in gen_ids if t not in stop_ids], skip_special_tokens=True)
-        if gen.stop and stopper.stopped:
-            cuts = [text.find(s) for s in gen.stop if s and s in text]
+            req.pending.append(tail)
+        self.scheduler.finish(req.seq, keep_cache=req.keep_cache)
+        self.requests.pop(req.seq.seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step ----------------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one scheduler step; returns the requests that got a new token (or finished)."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            if self.scheduler.waiting:  # nothing fits even alone: the pool is too small for this request
+                seq = self.scheduler.waiting[0]
+                req = self.requests.get(seq.seq_id)
+                if req is not None:
+                    self._finish(req, "length")
+                    raise LiteturboError(f"the KV cache ({self.block_manager.num_blocks} blocks) cannot hold this "
+                                         f"request ({seq.num_tokens} tokens); raise max_kv_tokens")
+            return []
+        logits = self.runner.run(self._build(sched))
+        touched = []
+        for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+            req = self.requests[seq.seq_id]
+            if req.cached_tokens < 0:
+                req.cached_tokens = seq.num_computed
+            seq.num_computed += n
+            self.block_manager.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed)
+            if seq.num_computed < seq.num_tokens:
+                continue  # a prompt chunk: no token yet
+            if not req.output_ids:
+                self.counters["prefill_tokens"] += req.prompt_len - req.cached_tokens
+                self.counters["last_prefill_tokens"] = req.prompt_len - req.cached_tokens
+            else:
+                self.counters["decode_tokens"] += 1
+            self._append_token(req, logits[row])
+            touched.append(req)
+        self.counters["steps"] += 1
+        self.counters["busy_seconds"] += time.perf_counter() - t0
+        return touched
+
+    def _build(self, sched: ScheduledStep) -> StepInput:
+        ids, pos, slots, qs, ctx, tables, rows = [], [], [], [0], [], [], []
+        bm = self.block_manager
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            s, e = seq.num_computed, seq.num_computed + n
+            ids += seq.token_ids[s:e]
+            pos += range(s, e)
+            slots += bm.slots(seq.block_table, s, e)
+            qs.append(qs[-1] + n)
+            ctx.append(e)
+            tables.append(seq.block_table)
+            rows.append(qs[-1] - 1)
+        return StepInput(ids, pos, slots, qs, ctx, tables, rows)
+
+    def _append_token(self, req: Request, logits: torch.Tensor) -> None:
+        gen, seq = req.gen, req.seq
+        tok = sample(logits, gen.temperature, gen.top_k, gen.top_p, req.rng)
+        now = time.perf_counter()
+        if req.t_first is None:
+            req.t_first = now
+        req.output_ids.append(tok)
+        seq.token_ids.append(tok)
+        self.counters["generated_tokens"] += 1
+        if tok in req.stop_ids:
+            return self._finish(req, "stop")
+        piece = req.stopper.feed(req.detok.add(tok))
+        if piece:
+            req.pending.append(piece)
+        if req.stopper.stopped:
+            return self._finish(req, "stop")
+        if len(req.output_ids) >= gen.max_new_tokens or seq.num_tokens >= self.session_len:
+            return self._finish(req, "length")
+
+    def output(self, req: Request) -> GenerationOutput:
+        """The :class:`GenerationOutput` of a finished request."""
+        ids = req.output_ids
+        text = self.tokenizer.decode([t for t in ids if t not in req.stop_ids], skip_special_tokens=True)
+        if req.gen.stop and req.stopper.stopped:
+            cuts = [text.find(s) for s in req.gen.stop if s and s in text]
             text = text[:min(cuts)] if cuts else text
-        yield GenerationOutput(text=text, token_ids=gen_ids, finish_reason=finish, prompt_tokens=n_prompt,
-                               cached_tokens=common, ttft=ttft, decode_seconds=decode_s)
+        t_first = req.t_first or req.t_end or req.t_arrival
+        return GenerationOutput(text=text, token_ids=list(ids), finish_reason=req.finish_reason or "cancelled",
+                                prompt_tokens=req.prompt_len, cached_tokens=max(req.cached_tokens, 0),
+                                ttft=t_first - req.t_arrival, decode_seconds=(req.t_end or t_first) - t_first)
+
+    # --- convenience APIs ----------------------------------------------------------------------------------
+    def generate(self, prompts, gen: GenerationConfig | None = None, **kwargs):
+        """Generate completions. ``prompts``: one prompt (text or token ids) → one :class:`GenerationOutput`;
+        a list of prompts → a list, all run together in the persistent batch."""
+        gen = gen or _gen_config(kwargs)
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int)))
+        batch = [prompts] if single else list(prompts)
+        reqs = []
+        try:
+            for p in batch:
+                reqs.append(self.add_request(p, gen))
+            while any(not r.finished for r in reqs):
+                self.step()
+        finally:
+            for r in reqs:
+                self.cancel(r)
+        outs = [self.output(r) for r in reqs]
+        return outs[0] if single else outs
+
+    def stream(self, prompt: str | list[int], gen: GenerationConfig | None = None,
+               **kwargs) -> Iterator[str | GenerationOutput]:
+        """Yield text pieces, then the :class:`GenerationOutput` as the last item."""
+        req = self.add_request(prompt, gen or _gen_config(kwargs))
+        yield from self._drive(req)
+
+    def _drive(self, req: Request) -> Iterator[str | GenerationOutput]:
+        try:
+            while not req.finished:
+                self.step()
+                text = req.take_text()
+                if text:
+                    yield text
+            text = req.take_text()
+            if text:
+                yield text
+        finally:
+            self.cancel(req)  # a consumer that went away frees the request's blocks at once
+        yield self.output(req)
 
 
 def _gen_config(kwargs: dict) -> GenerationConfig:
@@ -270,27 +377,29 @@ def _gen_config(kwargs: dict) -> GenerationConfig:
 
 
 class Session:
-    """A stateful chat: messages, their token history and (while open) KV blocks kept between turns.
+    """A stateful chat: messages, their token history and (while resident) KV blocks kept between turns.
 
     Each turn renders the whole conversation with the chat template and computes only the tokens after the
-    longest prefix already in the cache, so the result equals running the full conversation statelessly.
+    longest prefix still in the cache, so the result equals running the full conversation statelessly. Under
+    memory pressure an idle session's blocks are evicted; its next turn recomputes them (nothing is lost).
     """
 
     def __init__(self, engine: Engine, system: str | None = None) -> None:
         self.engine = engine
         self.system = system
         self.messages: list[dict] = [] if system is None else [{"role": "system", "content": system}]
-        self.seq = Sequence()
+        self.seq = Sequence(seq_id=next(engine._ids))
         self.closed = False
         self.busy = False
         self.last: GenerationOutput | None = None
 
-    def chat(self, message: str, stream: bool = False, gen: GenerationConfig | None = None, **kwargs):
+    def chat(self, message: str, stream: bool = False, gen: GenerationConfig | None = None, priority: int = 0,
+             **kwargs):
         """Send a user message. Returns the reply text, or with ``stream=True`` an iterator of text pieces.
 
         ``self.last`` holds the :class:`GenerationOutput` of the latest turn (tokens, timings, cache hits).
-        Raises ``LiteturboError`` for a closed session, an empty message, or a conversation longer than the
-        context.
+        Raises ``LiteturboError`` for a closed or busy session, an empty message, or a conversation longer
+        than the context.
         """
         if self.closed:
             raise LiteturboError("this session is closed; open a new one with engine.session()")
@@ -300,7 +409,7 @@ class Session:
         if not message.strip():
             raise LiteturboError("the message is empty: type some text")
         gen = gen or _gen_config(kwargs)
-        it = self._turn(message, gen)
+        it = self._turn(message, gen, priority)
         if stream:
             return it
         return "".join(it)
@@ -310,15 +419,17 @@ class Session:
             raise LiteturboError("a reply is still streaming on this session; read it to the end or close() the "
                                  "stream first (or open another session)")
 
-    def _turn(self, message: str, gen: GenerationConfig) -> Iterator[str]:
+    def _turn(self, message: str, gen: GenerationConfig, priority: int) -> Iterator[str]:
         self._check_idle()  # runs at the first next(): a stream never started holds nothing
         messages = self.messages + [{"role": "user", "content": message}]
         ids = self.engine.chat_template_ids(messages)
+        req = self.engine.add_request(ids, gen, priority=priority, seq=self.seq)
+        req.keep_cache = True
         pieces: list[str] = []
         out = None
         self.busy = True
         try:
-            for item in self.engine._generate(self.seq, ids, gen):
+            for item in self.engine._drive(req):
                 if isinstance(item, GenerationOutput):
                     out = item
                 else:
@@ -335,12 +446,12 @@ class Session:
     def reset(self) -> None:
         """Forget the conversation (keeps the system prompt) and free its KV blocks."""
         self._check_idle()
-        self.engine.block_manager.free(self.seq.block_table)
-        self.seq = Sequence()
+        self.engine.scheduler.finish(self.seq)
+        self.seq = Sequence(seq_id=next(self.engine._ids))
         self.messages = self.messages[:1] if self.system is not None else []
 
     def close(self) -> None:
         """Free the session's KV blocks; further ``chat`` calls raise."""
-        self.engine.block_manager.free(self.seq.block_table)
-        self.seq = Sequence()
+        if not self.closed:
+            self.engine.scheduler.finish(self.seq)
         self.closed = True

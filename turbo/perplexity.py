@@ -14,21 +14,21 @@ from tqdm import tqdm
 
 from lite.formats import LiteturboError
 
-from .engine import Engine, Sequence, StepInput
+from .engine import Engine, StepInput
 
 
 def window_nll(engine: Engine, ids: list[int], chunk: int = 512) -> float:
     """Mean next-token NLL (nats) of one window, computed in chunks over the paged KV cache."""
-    seq = Sequence(token_ids=list(ids))
+    table: list[int] = []
     bm = engine.block_manager
     total, n = 0.0, 0
     try:
-        bm.ensure_capacity(seq.block_table, len(ids))
+        bm.ensure_capacity(table, len(ids))
         for start in range(0, len(ids) - 1, chunk):
             end = min(start + chunk, len(ids))
             step = StepInput(token_ids=ids[start:end], positions=list(range(start, end)),
-                             slot_mapping=bm.slots(seq.block_table, start, end), query_start=[0, end - start],
-                             context_lens=[end], block_tables=[seq.block_table],
+                             slot_mapping=bm.slots(table, start, end), query_start=[0, end - start],
+                             context_lens=[end], block_tables=[table],
                              logits_rows=list(range(end - start)))
             logits = engine.runner.run(step)
             targets = torch.tensor(ids[start + 1:end + 1], dtype=torch.long)
@@ -36,7 +36,7 @@ def window_nll(engine: Engine, ids: list[int], chunk: int = 512) -> float:
             total += float(torch.nn.functional.cross_entropy(logits, targets.to(logits.device), reduction="sum"))
             n += len(targets)
     finally:
-        bm.free(seq.block_table)
+        bm.free(table)
     return total / n
 
 

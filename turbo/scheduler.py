@@ -1,0 +1,183 @@
+"""Persistent-batch scheduler: which sequences compute how many tokens in the next step. Pure Python.
+
+Prefill, chunked prefill and decode are one thing: bring ``num_computed`` up to ``len(token_ids)``
+(vLLM v1's formulation). Each step:
+
+1. Running sequences, most important first (lower ``priority`` value, then earlier arrival), get their
+   tokens within the step's token budget. When KV blocks run out, idle sessions' caches are evicted first
+   (least recently used), then the least important running sequence is preempted: its blocks are freed and
+   it goes back to the waiting queue keeping its tokens, to be recomputed later (its output is unchanged).
+2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order while the batch
+   size, the token budget and free blocks allow; a long prompt is split into chunks across steps. An
+   admitted sequence first takes the cached blocks of its longest cached prefix.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .block_manager import BlockManager
+
+
+class Status(Enum):
+    """Where a sequence is."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    IDLE = "idle"  # a session between turns, possibly holding KV blocks
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+@dataclass
+class Sequence:
+    """Token history of one request or session, and its KV blocks. Tokens ``[:num_computed]`` are cached."""
+
+    seq_id: int
+    token_ids: list[int] = field(default_factory=list)
+    priority: int = 0
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
+
+
+@dataclass
+class ScheduledStep:
+    """The scheduler's output for one step: sequences and how many new tokens each computes."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    preempted: list[Sequence]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Waiting queue, running batch and idle sessions over one :class:`BlockManager`."""
+
+    def __init__(self, block_manager: BlockManager, max_batch_size: int = 64, max_num_batched_tokens: int = 2048) -> None:
+        if max_batch_size < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_batch_size and max_num_batched_tokens must be positive")
+        self.bm = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.idle: OrderedDict[int, Sequence] = OrderedDict()  # LRU: oldest first
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence whose ``token_ids`` need computing (it may already hold blocks, e.g. a session)."""
+        self.idle.pop(seq.seq_id, None)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, keep_cache: bool = False) -> None:
+        """Take ``seq`` out of the batch. ``keep_cache``: it is a session; keep its blocks while memory allows."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if keep_cache:
+            seq.status = Status.IDLE
+            self.idle[seq.seq_id] = seq
+        else:
+            self.bm.free(seq.block_table)
+            seq.num_computed = 0
+            seq.status = Status.FINISHED
+            self.idle.pop(seq.seq_id, None)
+
+    def evict(self, seq: Sequence) -> None:
+        """Free an idle session's KV blocks; its tokens stay and are recomputed on its next turn."""
+        self.bm.free(seq.block_table)
+        seq.num_computed = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- the step ------------------------------------------------------------------------------------
+    def _make_room(self, seq: Sequence, num_tokens: int, protected: set[int]) -> bool:
+        """Free blocks until ``seq`` can hold ``num_tokens``: idle sessions (LRU) first, then preempt the
+        least important running sequence not in ``protected``. False if ``seq`` itself had to go."""
+        while not self.bm.can_allocate(seq.block_table, num_tokens):
+            victim_idle = next((s for s in self.idle.values() if s.block_table), None)
+            if victim_idle is not None:
+                self.evict(victim_idle)
+                continue
+            candidates = [s for s in self.running if s.seq_id not in protected and s is not seq]
+            if not candidates:
+                return False
+            self.preempt(max(candidates, key=lambda s: s.sort_key))
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and send it back to waiting (recompute later)."""
+        self.running.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledStep:
+        """Pick this step's sequences and token counts (blocks are allocated for them)."""
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        preempted_before = sum(s.num_preemptions for s in self.waiting + self.running)
+        self.running.sort(key=lambda s: s.sort_key)
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted for a more important one this step
+                continue
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n <= 0:
+                continue
+            if not self._make_room(seq, seq.num_computed + n, {s.seq_id for s in seqs}):
+                self.preempt(seq)
+                continue
+            self.bm.ensure_capacity(seq.block_table, seq.num_computed + n)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        preempted = [s for s in self.waiting if s.status == Status.WAITING and s.num_preemptions and s.num_computed == 0]
+        did_preempt = sum(s.num_preemptions for s in self.waiting + self.running) > preempted_before
+        if not did_preempt:
+            self.waiting.sort(key=lambda s: s.sort_key)
+            while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+                seq = self.waiting[0]
+                if not seq.block_table:
+                    seq.num_computed = self.bm.match_prefix(seq.token_ids, seq.block_table)
+                n = min(seq.num_tokens - seq.num_computed, budget)
+                if not self.bm.can_allocate(seq.block_table, seq.num_computed + n):
+                    # only idle caches may be given up for a new request; never running work
+                    victim = next((s for s in self.idle.values() if s.block_table), None)
+                    if victim is None:
+                        break
+                    self.evict(victim)
+                    continue
+                self.bm.ensure_capacity(seq.block_table, seq.num_computed + n)
+                self.waiting.pop(0)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+        return ScheduledStep(seqs, counts, preempted)
