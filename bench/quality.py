@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,9 @@ def main() -> None:
     ap.add_argument("--max-windows", type=int, default=40)
     ap.add_argument("--methods", default="fp16,rtn,awq,gptq,gptq-act-order")
     ap.add_argument("--work", default=None, help="folder for the checkpoints (default: a temporary one)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="score checkpoints already in --work (made by the commands shown) instead of re-making "
+                         "them; time and memory come from their liteturbo_quantize.json")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="lt-quality-"))
@@ -42,6 +44,7 @@ def main() -> None:
         "awq": ["lite", "auto-awq", args.model, "--w-group-size", g],
         "gptq": ["lite", "gptq", args.model, "--w-group-size", g],
         "gptq-act-order": ["lite", "gptq", args.model, "--w-group-size", g, "--act-order"],
+        "awq-gptq-rounding": ["lite", "auto-awq", args.model, "--w-group-size", g, "--rounding", "gptq"],
     }
     rows = []
     for name in args.methods.split(","):
@@ -50,10 +53,11 @@ def main() -> None:
         if name != "fp16":
             out = work / name
             cmd = ["liteturbo", *recipes[name], "--work-dir", str(out), "--overwrite"]
-            log, secs = run(cmd)
-            m = re.search(r"peak memory ([\d.]+) GiB", log)
-            row.update(command=" ".join(cmd[:-3] + ["--work-dir", name]), seconds=round(secs, 1),
-                       peak_gib=float(m.group(1)) if m else None)
+            if not (args.reuse and (out / "liteturbo_quantize.json").is_file()):
+                run(cmd)
+            info = json.loads((out / "liteturbo_quantize.json").read_text())
+            row.update(command=" ".join(cmd[:-3] + ["--work-dir", name]), seconds=info["wall_seconds"],
+                       peak_gib=info["peak_memory_gib"])
             target = str(out)
         ecmd = ["liteturbo", "lite", "eval-ppl", target, "--seqlen", "2048", "--max-windows", str(args.max_windows),
                 "--json"]

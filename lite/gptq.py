@@ -69,6 +69,8 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_si
     points representable in the GPTQ v1 format (which stores ``zero - 1``). ``g_idx`` is set when
     ``act_order`` (and always describes the true grouping). Raises ``ValueError`` for a bad group size.
     """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     W = weight.detach().float().clone()
     out_f, in_f = W.shape
     gs = in_f if group_size == -1 else group_size

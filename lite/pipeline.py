@@ -48,7 +48,9 @@ class PipelineConfig:
     method: rtn | awq | gptq. w_bits/w_group_size/w_sym: the weight format. out_format: awq | gptq |
     compressed-tensors (``None`` = awq for rtn/awq, gptq for gptq). calib_*: calibration data (see
     :mod:`lite.calibration`). act_order/static_groups/damp_percent/block_size/true_sequential: GPTQ.
-    n_grid/duo_scaling/clip/max_shrink/loss_tokens: AWQ. device: cpu | cuda | auto.
+    n_grid/duo_scaling/clip/max_shrink/loss_tokens: AWQ; awq_rounding: ``rtn`` (the paper) or ``gptq``
+    (AWQ's scales and clipping, then GPTQ's error-compensating rounding on the scaled inputs).
+    device: cpu | cuda | auto.
     """
 
     method: str = "awq"
@@ -67,6 +69,7 @@ class PipelineConfig:
     true_sequential: bool = True
     n_grid: int = 20
     duo_scaling: bool = True
+    awq_rounding: str = "rtn"
     clip: bool = True
     max_shrink: float = 0.5
     loss_tokens: int = 8192
@@ -88,6 +91,12 @@ class PipelineConfig:
                                  "or compressed-tensors")
         if not 0 < self.damp_percent < 1:
             raise LiteturboError(f"--damp-percent must be in (0, 1), got {self.damp_percent}")
+        if self.awq_rounding not in ("rtn", "gptq"):
+            raise LiteturboError(f"awq rounding must be rtn or gptq, got {self.awq_rounding!r}")
+        if self.block_size < 1 or self.n_grid < 1 or self.loss_tokens < 1:
+            raise LiteturboError("block_size, n_grid and loss_tokens must be >= 1")
+        if not 0 < self.max_shrink < 1:
+            raise LiteturboError(f"max_shrink must be in (0, 1), got {self.max_shrink}")
         if self.calib_samples <= 0 or self.calib_seqlen <= 0:
             raise LiteturboError("--calib-samples and --calib-seqlen must be positive")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -240,7 +249,7 @@ def _quantize_layer_gptq(layer, inps, kws, cfg: PipelineConfig, order) -> dict[s
             qw = gptq_quantize(lin.weight.data, hess[_SHARED_INPUT.get(n, n)],
                                cfg.w_bits, cfg.w_group_size, cfg.w_sym, cfg.act_order, cfg.static_groups,
                                cfg.block_size, cfg.damp_percent,
-                               min_zero=1 if (cfg.out_format == "gptq" and not cfg.w_sym) else 0)
+                               min_zero=_min_zero(cfg))
             lin.weight.data = qw.dequantize(torch.float32).to(lin.weight.device)
             result[n] = qw
     return result
@@ -313,6 +322,7 @@ def _quantize_layer_awq(layer, inps, kws, cfg: PipelineConfig, groups, no_clip) 
         for n in g.linears:
             feats[n] = [x / scales.to(x.device) for x in feats[n]]
     result = {}
+    hessians: dict[str, torch.Tensor] = {}
     for n in linears:
         lin = layer.get_submodule(n)
         w = lin.weight.data
@@ -320,16 +330,33 @@ def _quantize_layer_awq(layer, inps, kws, cfg: PipelineConfig, groups, no_clip) 
             x = torch.cat(feats[n], 0)
             max_val = search_clip(w, x, cfg.w_bits, cfg.w_group_size, cfg.w_sym, cfg.n_grid, cfg.max_shrink)
             w = apply_clip(w, max_val, cfg.w_group_size)
-        qw = quantize_rtn(w, cfg.w_bits, cfg.w_group_size, cfg.w_sym)
+        if cfg.awq_rounding == "gptq":
+            from .gptq import HessianAccumulator, gptq_quantize
+
+            head = _SHARED_INPUT.get(n, n)
+            if head not in hessians:
+                acc = HessianAccumulator(w.shape[1], device=w.device)
+                for x in feats[head]:
+                    acc.add(x)
+                hessians[head] = acc.H
+            qw = gptq_quantize(w, hessians[head], cfg.w_bits, cfg.w_group_size, cfg.w_sym, block_size=cfg.block_size,
+                               damp_percent=cfg.damp_percent, min_zero=_min_zero(cfg))
+        else:
+            qw = quantize_rtn(w, cfg.w_bits, cfg.w_group_size, cfg.w_sym, min_zero=_min_zero(cfg))
         result[n] = qw
     return result
+
+
+def _min_zero(cfg: PipelineConfig) -> int:
+    """GPTQ v1 stores ``zero - 1``: asymmetric zero points must then be >= 1."""
+    return 1 if (cfg.out_format == "gptq" and not cfg.w_sym) else 0
 
 
 def _quantize_layer_rtn(layer, cfg: PipelineConfig) -> dict[str, QuantizedWeight]:
     from .rtn import quantize_rtn
 
-    return {n: quantize_rtn(layer.get_submodule(n).weight.data, cfg.w_bits, cfg.w_group_size, cfg.w_sym)
-            for n in DECODER_LINEARS}
+    return {n: quantize_rtn(layer.get_submodule(n).weight.data, cfg.w_bits, cfg.w_group_size, cfg.w_sym,
+                            min_zero=_min_zero(cfg)) for n in DECODER_LINEARS}
 
 
 def _sanitize(layer, idx: int, qws: dict[str, QuantizedWeight], cfg: PipelineConfig) -> dict[str, QuantizedWeight]:
@@ -518,8 +545,13 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
         if cfg.out_format == "gptq":
             write_json(tmp / "quantize_config.json", {k: v for k, v in qc.items() if k != "quant_method"})
         copy_tokenizer_files(src, tmp)
+        wall = time.perf_counter() - t0
+        # provenance: how this checkpoint was made, and what it cost
+        write_json(tmp / "liteturbo_quantize.json", {
+            "source": str(src), "options": asdict(cfg), "calibration_tokens": n_tok, "device": device.type,
+            "wall_seconds": round(wall, 1), "peak_memory_gib": round(peak_memory_gib(device), 2),
+            "reused_layers": reused, "torch_threads": torch.get_num_threads()})
     shutil.rmtree(partial, ignore_errors=True)
-    wall = time.perf_counter() - t0
     print(f"[liteturbo] {cfg.method}: wrote {out} ({cfg.out_format} format) in {wall:.1f} s, peak memory "
           f"{peak_memory_gib(device):.2f} GiB ({device.type})", file=sys.stderr)
     return out

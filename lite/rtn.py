@@ -13,13 +13,14 @@ from backends.types import QuantizedWeight
 
 
 def quantize_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False,
-                 bias: torch.Tensor | None = None) -> QuantizedWeight:
+                 bias: torch.Tensor | None = None, min_zero: int = 0) -> QuantizedWeight:
     """Quantize a dense weight ``[out, in]`` to a :class:`QuantizedWeight` (scales float16).
 
     ``group_size=-1`` quantizes each output row as one group. Raises ``ValueError`` when ``in`` is not
     divisible by ``group_size``. The asymmetric range always includes 0 (as GPTQ's quantizer does), so a
     group of one sign, or a constant group, is represented within half a step instead of being clipped by
-    a zero point outside ``[0, 2**bits)``; an all-zero group is exact.
+    a zero point outside ``[0, 2**bits)``; an all-zero group is exact. ``min_zero=1`` keeps asymmetric zero
+    points storable in the GPTQ v1 format (which writes ``zero - 1``).
     """
     out_f, in_f = weight.shape
     gs = in_f if group_size == -1 else group_size
@@ -38,7 +39,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int = 4, group_size: int = 128, sym
         rng = (wmax - wmin).clamp(min=1e-8)
         scales = (rng / qmax).to(torch.float16)
         s = scales.float().clamp(min=torch.finfo(torch.float16).tiny)
-        zeros = torch.clamp(torch.round(-wmin / s), 0, qmax)
+        zeros = torch.clamp(torch.round(-wmin / s), min_zero, qmax)
     q = torch.clamp(torch.round(w / s.unsqueeze(-1)) + zeros.unsqueeze(-1), 0, qmax)
     return QuantizedWeight(
         bits=bits, group_size=group_size, sym=sym,

@@ -109,15 +109,17 @@ def _calib_options(fn):
 @_calib_options
 @click.option("--n-grid", default=20, show_default=True, help="Scale-search grid size.")
 @click.option("--no-clip", is_flag=True, help="Skip the weight-clipping search.")
+@click.option("--rounding", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
+              help="Rounding after AWQ scaling/clipping: rtn (the paper) or gptq (error-compensating).")
 @friendly_errors
 def auto_awq(model, w_bits, w_group_size, w_sym, calib_dataset, calib_samples, calib_seqlen, seed, out_format,
-             device, work_dir, overwrite, resume, n_grid, no_clip) -> None:
+             device, work_dir, overwrite, resume, n_grid, no_clip, rounding) -> None:
     """AWQ W4A16 (Lin et al. 2024): activation-aware scales and clipping, layer by layer."""
     from lite.pipeline import PipelineConfig, quantize_model
 
     cfg = PipelineConfig(method="awq", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
                          calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                         seed=seed, device=device, n_grid=n_grid, clip=not no_clip)
+                         seed=seed, device=device, n_grid=n_grid, clip=not no_clip, awq_rounding=rounding)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 

@@ -111,6 +111,17 @@ class Linear:
         return self.backend.linear(x, self.handle)
 
 
+class ConcatLinear:
+    """Several linears over the same input whose outputs are concatenated (when they cannot be fused)."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
 class Layer:
     """Weights of one decoder layer (q/k/v and gate/up fused)."""
 
@@ -161,7 +172,12 @@ class LlamaModel:
 
         def linear(prefixes: list[str], bias: bool) -> Linear:
             if all(p in qlinears for p in prefixes):
-                qw = QuantizedWeight.concat_out([qlinears.pop(p) for p in prefixes])
+                parts = [qlinears.pop(p) for p in prefixes]
+                try:
+                    qw = QuantizedWeight.concat_out(parts)
+                except ValueError:  # e.g. act-order q/k/v with different g_idx: keep them apart
+                    return ConcatLinear([Linear(backend, backend.prepare_w4a16(q, dtype), "w4a16", q.out_features)
+                                         for q in parts])
                 return Linear(backend, backend.prepare_w4a16(qw, dtype), "w4a16", qw.out_features)
             if any(p in qlinears for p in prefixes):
                 raise LiteturboError(f"layers {prefixes} are partly quantized; liteturbo fuses them and needs all or none")

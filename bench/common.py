@@ -1,0 +1,27 @@
+"""Shared helpers of the benchmark scripts (not a library module)."""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def w4a16_checkpoint(model: str, group_size: int, given: str | None) -> tuple[str, object]:
+    """The W4A16 checkpoint to benchmark: ``given``, or RTN of ``model`` made in a temporary folder."""
+    if given:
+        return given, None
+    from lite.quantize import QuantConfig, quantize_checkpoint
+
+    tmp = tempfile.TemporaryDirectory()
+    path = quantize_checkpoint(model, QuantConfig(w_group_size=group_size, work_dir=str(Path(tmp.name) / "w4a16")))
+    return str(path), tmp
+
+
+def text_prompts(tokenizer, n: int, length: int, offset: int = 0) -> list[list[int]]:
+    """``n`` prompts of exactly ``length`` tokens cut from WikiText-2 valid."""
+    import calib_data
+
+    ids = tokenizer("".join(calib_data.load_rows("wikitext2", "valid")), add_special_tokens=False)["input_ids"]
+    return [ids[offset + i * length: offset + (i + 1) * length] for i in range(n)]

@@ -1,0 +1,82 @@
+"""Offline throughput: N concurrent requests (P-token prompts, G new tokens each), output tokens/s.
+
+    python bench/throughput.py [--requests 32] [--prompt-len 128] [--new-tokens 128] [--threads 2] [--json]
+
+turbo runs all requests in its persistent batch; the baselines are transformers ``generate`` one request at a
+time and transformers batched ``generate`` with left padding, on the same checkpoint's 16-bit weights (bf16),
+same threads, same run. EOS is ignored so every request produces exactly G tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from common import text_prompts, w4a16_checkpoint
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--w4a16", default=None, help="W4A16 checkpoint (default: RTN g64 of --model)")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--sequential-requests", type=int, default=4,
+                    help="requests timed for the one-at-a-time baseline (its rate is per token, so a subset suffices)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lite.formats import resolve_model
+    from turbo import Engine, EngineConfig, GenerationConfig
+
+    src = resolve_model(args.model)
+    w4, _tmp = w4a16_checkpoint(str(src), 64, args.w4a16)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    prompts = text_prompts(tok, args.requests, args.prompt_len)
+    n_out = args.requests * args.new_tokens
+
+    engine = Engine(w4, EngineConfig(max_kv_tokens=args.requests * (args.prompt_len + args.new_tokens) + 1024,
+                                     max_batch_size=max(args.requests, 1)))
+    gen = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True)
+    engine.generate(prompts[:2], GenerationConfig(max_new_tokens=4, ignore_eos=True))  # warm-up
+    t = time.perf_counter()
+    outs = engine.generate(prompts, gen)
+    turbo_s = time.perf_counter() - t
+    assert sum(len(o.token_ids) for o in outs) == n_out
+
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).eval()
+    kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+              pad_token_id=tok.eos_token_id)
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, pad_token_id=tok.eos_token_id)
+        t = time.perf_counter()
+        for p in prompts[:args.sequential_requests]:
+            hf.generate(torch.tensor([p]), **kw)
+        seq_rate = args.sequential_requests * args.new_tokens / (time.perf_counter() - t)
+        ids = torch.tensor(prompts)  # equal lengths: padding is a no-op but the batched path is the one used
+        t = time.perf_counter()
+        hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+        batched_rate = n_out / (time.perf_counter() - t)
+    r = {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+         "threads": args.threads, "turbo_w4a16_output_tok_s": n_out / turbo_s,
+         "transformers_sequential_output_tok_s": seq_rate, "transformers_batched_output_tok_s": batched_rate}
+    r["ratio_vs_sequential"] = r["turbo_w4a16_output_tok_s"] / seq_rate
+    r["ratio_vs_batched"] = r["turbo_w4a16_output_tok_s"] / batched_rate
+    if args.json:
+        print(json.dumps(r))
+        return
+    print(f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new tokens), {args.threads} threads")
+    for k in ("turbo_w4a16_output_tok_s", "transformers_sequential_output_tok_s", "transformers_batched_output_tok_s"):
+        print(f"{k:40s} {r[k]:8.1f}")
+    print(f"{'ratio vs transformers one at a time':40s} {r['ratio_vs_sequential']:8.2f}x")
+    print(f"{'ratio vs transformers batched':40s} {r['ratio_vs_batched']:8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
