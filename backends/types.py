@@ -64,14 +64,17 @@ class QuantizedWeight:
 
     @property
     def out_features(self) -> int:
+        """Output channels (rows of the weight)."""
         return self.qweight.shape[0]
 
     @property
     def in_features(self) -> int:
+        """Input channels (columns of the weight)."""
         return self.qweight.shape[1]
 
     @property
     def effective_group_size(self) -> int:
+        """Group size with ``-1`` resolved to ``in_features``."""
         return self.in_features if self.group_size == -1 else self.group_size
 
     def group_index(self) -> torch.Tensor:
@@ -154,4 +157,5 @@ class AttentionMetadata:
 
     @property
     def num_seqs(self) -> int:
+        """Sequences in the step."""
         return len(self.context_lens)

@@ -23,6 +23,7 @@ PROMPT = "Write a short story about a robot who learns to paint."
 
 
 def bench_turbo(path, n_new: int, repeats: int, **engine_kw) -> float:
+    """Best decode tokens/s of turbo over ``repeats`` runs."""
     from turbo import Engine, GenerationConfig
 
     engine = Engine(path, **engine_kw)
@@ -38,6 +39,7 @@ def bench_turbo(path, n_new: int, repeats: int, **engine_kw) -> float:
 
 
 def bench_transformers(path, n_new: int, repeats: int, dtype: torch.dtype) -> float:
+    """Best decode tokens/s of transformers generate over ``repeats`` runs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -61,6 +63,7 @@ def bench_transformers(path, n_new: int, repeats: int, dtype: torch.dtype) -> fl
 
 
 def main() -> None:
+    """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--w4a16", default=None, help="W4A16 checkpoint (default: RTN g64 of --model, made here)")

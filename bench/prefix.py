@@ -17,6 +17,7 @@ from common import text_prompts, w4a16_checkpoint
 
 
 def run(engine, prompts, gen) -> tuple[int, float, list]:
+    """Run the requests one after another; (prefill tokens computed, seconds, outputs)."""
     before = engine.stats()["prefill_tokens"]
     t = time.perf_counter()
     outs = [engine.generate(p, gen) for p in prompts]
@@ -24,6 +25,7 @@ def run(engine, prompts, gen) -> tuple[int, float, list]:
 
 
 def main() -> None:
+    """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--w4a16", default=None)

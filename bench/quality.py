@@ -18,6 +18,7 @@ from pathlib import Path
 
 
 def run(cmd: list[str]) -> tuple[str, float]:
+    """Run a command; (combined output, seconds). Exits with its stderr on failure."""
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
@@ -26,6 +27,7 @@ def run(cmd: list[str]) -> tuple[str, float]:
 
 
 def main() -> None:
+    """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--group-size", type=int, default=64)

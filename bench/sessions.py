@@ -17,6 +17,7 @@ from common import text_prompts, w4a16_checkpoint
 
 
 def main() -> None:
+    """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--w4a16", default=None)

@@ -115,6 +115,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        """True once the request stopped (any reason)."""
         return self.finish_reason is not None
 
     def take_text(self) -> str:
@@ -247,6 +248,7 @@ class Engine:
         self.requests.pop(req.seq.seq_id, None)
 
     def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
         return self.scheduler.has_work()
 
     # --- the step ----------------------------------------------------------------------------------------

@@ -215,6 +215,7 @@ class LlamaModel:
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                """Run one step; see the class docstring for shapes. Raises ``LiteturboError`` past the context."""
                 meta: AttentionMetadata, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         cfg, be = self.cfg, self.backend
         t = input_ids.shape[0]

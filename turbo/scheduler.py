@@ -48,10 +48,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in the history (computed or not)."""
         return len(self.token_ids)
 
     @property
     def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: lower priority value first, then earlier arrival."""
         return (self.priority, self.arrival)
 
 
@@ -65,6 +67,7 @@ class ScheduledStep:
 
     @property
     def total_tokens(self) -> int:
+        """Tokens computed in this step."""
         return sum(self.num_new_tokens)
 
 
@@ -109,6 +112,7 @@ class Scheduler:
         seq.num_computed = 0
 
     def has_work(self) -> bool:
+        """Whether any sequence is waiting or running."""
         return bool(self.waiting or self.running)
 
     # --- the step ------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ class ArchSpec:
     qk_norm: bool = False
 
     def flag(self, value: bool | str, config: dict) -> bool:
+        """Resolve a bool-or-config-flag field against a config.json dict."""
         return bool(config.get(value, False)) if isinstance(value, str) else value
 
 
