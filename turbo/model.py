@@ -215,8 +215,8 @@ class LlamaModel:
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                """Run one step; see the class docstring for shapes. Raises ``LiteturboError`` past the context."""
                 meta: AttentionMetadata, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; see the class docstring for shapes. Raises ``LiteturboError`` past the context."""
         cfg, be = self.cfg, self.backend
         t = input_ids.shape[0]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
