@@ -138,3 +138,15 @@ def test_bad_options_are_liteturbo_errors(engine, smollm2_rtn_g64):
     with pytest.raises(LiteturboError, match="generation option"):
         s.chat("hi", foo=1)
     s.close()
+
+
+def test_min_new_tokens_logprobs_and_penalties(engine):
+    out = engine.generate("What is 2+2? Answer briefly.", max_new_tokens=30, min_new_tokens=20, logprobs=3)
+    assert len(out.token_ids) >= 20
+    assert len(out.logprobs) == len(out.token_ids) and all(len(x) == 3 for x in out.logprobs)
+    assert all(lp[0][0] == t for lp, t in zip(out.logprobs, out.token_ids))  # greedy picks the top one
+    rep = engine.generate("List: apple, apple, apple, apple,", max_new_tokens=12, ignore_eos=True,
+                          repetition_penalty=5.0)
+    plain = engine.generate("List: apple, apple, apple, apple,", max_new_tokens=12, ignore_eos=True)
+    apple = set(engine.encode(" apple"))
+    assert sum(t in apple for t in rep.token_ids) < sum(t in apple for t in plain.token_ids)

@@ -68,6 +68,9 @@ class GenerationConfig:
     max_new_tokens: generated tokens at most. temperature 0 = greedy. top_k 0 = off. top_p 1 = off.
     stop: strings that end generation (not included in the text). stop_token_ids: extra ids that end it.
     ignore_eos: keep going past EOS. seed: per-request RNG seed (``None`` = nondeterministic).
+    min_p: keep tokens with probability >= min_p x the top one's (0 = off). repetition_penalty (1 = off),
+    presence_penalty / frequency_penalty (0 = off): see :mod:`turbo.sampler`. min_new_tokens: EOS and stop
+    ids are masked until this many tokens exist. logprobs: also return the top-n log-probabilities per token.
     """
 
     max_new_tokens: int = 256
@@ -78,11 +81,25 @@ class GenerationConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_new_tokens: int = 0
+    logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise LiteturboError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        for name in ("temperature", "top_p"):
+        if not 0 <= self.min_p <= 1:
+            raise LiteturboError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise LiteturboError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (0 <= self.min_new_tokens <= self.max_new_tokens):
+            raise LiteturboError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
+        if not 0 <= self.logprobs <= 20:
+            raise LiteturboError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise LiteturboError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:

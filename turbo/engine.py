@@ -22,7 +22,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig, GenerationConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .model import LlamaModel
-from .sampler import sample
+from .sampler import apply_penalties, sample, top_logprobs
 from .scheduler import Scheduler, ScheduledStep, Sequence, Status
 
 
@@ -58,6 +58,7 @@ class GenerationOutput:
     cached_tokens: int
     ttft: float
     decode_seconds: float
+    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -106,6 +107,7 @@ class Request:
     rng: torch.Generator | None
     keep_cache: bool = False
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = -1
@@ -302,7 +304,14 @@ class Engine:
 
     def _append_token(self, req: Request, logits: torch.Tensor) -> None:
         gen, seq = req.gen, req.seq
-        tok = sample(logits, gen.temperature, gen.top_k, gen.top_p, req.rng)
+        logits = apply_penalties(logits, seq.token_ids[:req.prompt_len], req.output_ids, gen.repetition_penalty,
+                                 gen.presence_penalty, gen.frequency_penalty)
+        if len(req.output_ids) < gen.min_new_tokens and req.stop_ids:
+            logits = logits.clone()
+            logits[torch.tensor(sorted(req.stop_ids), dtype=torch.long)] = float("-inf")
+        if gen.logprobs:
+            req.logprobs.append(top_logprobs(logits, gen.logprobs))
+        tok = sample(logits, gen.temperature, gen.top_k, gen.top_p, req.rng, gen.min_p)
         now = time.perf_counter()
         if req.t_first is None:
             req.t_first = now
@@ -329,7 +338,8 @@ class Engine:
         t_first = req.t_first or req.t_end or req.t_arrival
         return GenerationOutput(text=text, token_ids=list(ids), finish_reason=req.finish_reason or "cancelled",
                                 prompt_tokens=req.prompt_len, cached_tokens=max(req.cached_tokens, 0),
-                                ttft=t_first - req.t_arrival, decode_seconds=(req.t_end or t_first) - t_first)
+                                ttft=t_first - req.t_arrival, decode_seconds=(req.t_end or t_first) - t_first,
+                                logprobs=list(req.logprobs))
 
     # --- convenience APIs ----------------------------------------------------------------------------------
     def generate(self, prompts, gen: GenerationConfig | None = None, **kwargs):
