@@ -18,7 +18,9 @@ class EngineConfig:
 
     backend: ``"auto"`` or a registered backend name. device: ``"cpu"``, ``"cuda"``, ... dtype: compute dtype,
     ``"auto"`` = bfloat16 where the CPU has native bf16 (else float32), float16 on GPUs.
-    block_size: tokens per KV block. max_kv_tokens: KV pool size in tokens (rounded up to whole blocks).
+    block_size: tokens per KV block. KV pool size, first that is set wins: ``num_blocks``; ``kv_cache_gib``
+    (absolute); ``cache_max_entry_count`` (fraction of the memory left after the weights: free GPU memory, or
+    available RAM on CPU, as LMDeploy's option); else ``max_kv_tokens`` (rounded up to whole blocks).
     session_len: longest token history of one sequence (default: the model's max_position_embeddings,
     capped by the pool). max_num_batched_tokens: tokens computed per step (long prompts are chunked to fit).
     max_batch_size: sequences in the persistent batch at most.
@@ -29,6 +31,9 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 64
     max_kv_tokens: int = 16384
+    num_blocks: int | None = None
+    kv_cache_gib: float | None = None
+    cache_max_entry_count: float | None = None
     session_len: int | None = None
     max_num_batched_tokens: int = 1024
     max_batch_size: int = 64
@@ -41,6 +46,12 @@ class EngineConfig:
         for name in ("block_size", "max_kv_tokens", "max_num_batched_tokens", "max_batch_size"):
             if getattr(self, name) <= 0:
                 raise LiteturboError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise LiteturboError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise LiteturboError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.cache_max_entry_count is not None and not 0 < self.cache_max_entry_count <= 1:
+            raise LiteturboError(f"cache_max_entry_count must be in (0, 1], got {self.cache_max_entry_count}")
         if self.lm_head not in ("auto", "int8", "16bit"):
             raise LiteturboError(f"lm_head must be auto, int8 or 16bit, got {self.lm_head!r}")
         dev = str(self.device)

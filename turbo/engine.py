@@ -157,7 +157,7 @@ class Engine:
         self.model = LlamaModel.from_pretrained(self.path, self.backend, self.dtype, lm_head_int8=lm_int8)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         bs = self.config.block_size
-        num_blocks = (self.config.max_kv_tokens + bs - 1) // bs
+        num_blocks = self._pool_blocks()
         self.block_manager = BlockManager(num_blocks, bs, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, bs)
@@ -171,6 +171,29 @@ class Engine:
         self._ids = itertools.count()
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "last_prefill_tokens": 0,
                          "generated_tokens": 0, "busy_seconds": 0.0}
+
+    def _pool_blocks(self) -> int:
+        """KV blocks to allocate, from the first pool-size option that is set (see :class:`EngineConfig`)."""
+        cfg, m = self.config, self.model.cfg
+        bs = cfg.block_size
+        block_bytes = 2 * m.num_layers * bs * m.num_kv_heads * m.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        if cfg.kv_cache_gib is not None:
+            n = int(cfg.kv_cache_gib * 2**30 // block_bytes)
+        elif cfg.cache_max_entry_count is not None:
+            if self.backend.device.type == "cuda":
+                free = torch.cuda.mem_get_info(self.backend.device)[0]
+            else:
+                import psutil
+
+                free = psutil.virtual_memory().available
+            n = int(cfg.cache_max_entry_count * free // block_bytes)
+        else:
+            return (cfg.max_kv_tokens + bs - 1) // bs
+        if n < 1:
+            raise LiteturboError(f"the KV pool option leaves room for no block of {block_bytes} bytes; give it more")
+        return n
 
     # --- info ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -198,13 +221,63 @@ class Engine:
         """A new stateful chat session (its KV cache survives between turns while memory allows)."""
         return Session(self, system)
 
+    def fingerprint(self) -> str:
+        """Identifies the weights and compute dtype (saved KV is reused only under the same one)."""
+        import hashlib
+
+        from lite.formats.checkpoint import weight_files
+
+        h = hashlib.sha256((self.path / "config.json").read_bytes())
+        for f in weight_files(self.path):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        h.update(str(self.dtype).encode())
+        return h.hexdigest()[:16]
+
+    def load_session(self, path: str | Path) -> "Session":
+        """Restore a session written by :meth:`Session.save`. Its KV is reloaded when it was saved by the same
+        weights and dtype (else recomputed on the next turn). Raises ``LiteturboError`` for a bad folder."""
+        import json
+
+        from safetensors.torch import load_file
+
+        path = Path(path).expanduser()
+        try:
+            meta = json.loads((path / "session.json").read_text())
+            assert meta.get("format") == "liteturbo-session/1"
+        except (OSError, ValueError, AssertionError):
+            raise LiteturboError(f"{path} is not a saved liteturbo session (session.json missing or invalid)") from None
+        s = Session(self, meta.get("system"))
+        s.messages = list(meta["messages"])
+        s.seq.token_ids = [int(t) for t in meta["token_ids"]]
+        if s.seq.token_ids:
+            self._check_prompt(s.seq.token_ids, session=True)
+        n = int(meta.get("kv_tokens", 0))
+        if n and (path / "kv.safetensors").is_file() and meta.get("model_fingerprint") == self.fingerprint():
+            kv = load_file(str(path / "kv.safetensors"))
+            try:
+                self.block_manager.ensure_capacity(s.seq.block_table, n)
+            except Exception:
+                self.block_manager.free(s.seq.block_table)
+                return s  # no room now: the next turn recomputes
+            slots = torch.tensor(self.block_manager.slots(s.seq.block_table, 0, n), dtype=torch.long,
+                                 device=self.backend.device)
+            for i, (k, v) in enumerate(self.runner.kv_caches):
+                self.backend.write_kv(kv[f"k.{i}"].to(k.device), kv[f"v.{i}"].to(v.device), k, v, slots)
+            s.seq.num_computed = n
+            self.block_manager.register_full_blocks(s.seq.token_ids, s.seq.block_table, n)
+            self.scheduler.finish(s.seq, keep_cache=True)
+        return s
+
     # --- requests --------------------------------------------------------------------------------------
-    def _check_prompt(self, ids: list[int]) -> None:
+    def _check_prompt(self, ids: list[int], session: bool = False) -> None:
         if not ids:
             raise LiteturboError("the prompt is empty: give at least one token of text")
         if len(ids) >= self.session_len:
+            if session:
+                raise LiteturboError(f"the session would reach {len(ids)} tokens but session_len is "
+                                     f"{self.session_len}; reset the session or raise session_len/max_kv_tokens")
             raise LiteturboError(f"the prompt has {len(ids)} tokens but the context holds {self.session_len}; "
-                                 f"shorten the prompt (or reset the session) or raise session_len/max_kv_tokens")
+                                 f"shorten the prompt or raise session_len/max_kv_tokens")
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size)]
         if bad:
             raise LiteturboError(f"token id {bad[0]} is outside the vocabulary (size {self.model.cfg.vocab_size})")
@@ -214,7 +287,7 @@ class Engine:
         """Queue a request; ``seq`` continues an existing sequence (a session), reusing its computed prefix."""
         gen = gen or GenerationConfig()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(ids)
+        self._check_prompt(ids, session=seq is not None)
         if seq is None:
             seq = Sequence(seq_id=next(self._ids), priority=priority)
         else:
@@ -366,6 +439,29 @@ class Engine:
         req = self.add_request(prompt, gen or _gen_config(kwargs))
         yield from self._drive(req)
 
+    async def astream(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kwargs):
+        """Async version of :meth:`stream`: text pieces, then the :class:`GenerationOutput`.
+
+        Several ``astream`` calls on one event loop share the persistent batch: whichever runs drives a step
+        for all of them, and yields control to the others between steps.
+        """
+        import asyncio
+
+        req = self.add_request(prompt, gen or _gen_config(kwargs))
+        try:
+            while not req.finished:
+                self.step()
+                text = req.take_text()
+                if text:
+                    yield text
+                await asyncio.sleep(0)
+            text = req.take_text()
+            if text:
+                yield text
+        finally:
+            self.cancel(req)
+        yield self.output(req)
+
     def _drive(self, req: Request) -> Iterator[str | GenerationOutput]:
         try:
             while not req.finished:
@@ -454,6 +550,48 @@ class Session:
                 self.messages = messages + [{"role": "assistant", "content": reply}]
             self.last = out
             self.busy = False
+
+    def save(self, path: str | Path, include_kv: bool = False) -> Path:
+        """Write the session (messages, token history, optionally its KV) to folder ``path``, atomically.
+
+        ``include_kv`` stores the cached K/V of the computed tokens (``kv.safetensors``, per layer
+        ``[tokens, kv_heads, head_dim]``) so a restore needs no recompute; it is only reused by the same
+        model weights and dtype. Raises ``LiteturboError`` while a reply streams.
+        """
+        import json
+        import os
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        self._check_idle()
+        path = Path(path).expanduser().absolute()
+        if path.exists() and not (path / "session.json").is_file():
+            raise LiteturboError(f"{path} exists and is not a saved session; choose another folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        try:
+            n = self.seq.num_computed if include_kv else 0
+            meta = {"format": "liteturbo-session/1", "system": self.system, "messages": self.messages,
+                    "token_ids": self.seq.token_ids, "kv_tokens": n, "model_fingerprint": self.engine.fingerprint()}
+            (tmp / "session.json").write_text(json.dumps(meta, ensure_ascii=False, indent=1))
+            if n:
+                slots = torch.tensor(self.engine.block_manager.slots(self.seq.block_table, 0, n), dtype=torch.long)
+                tensors = {}
+                for i, (k, v) in enumerate(self.engine.runner.kv_caches):
+                    nb, bs, h, d = k.shape
+                    tensors[f"k.{i}"] = k.view(nb * bs, h, d)[slots].cpu().contiguous()
+                    tensors[f"v.{i}"] = v.view(nb * bs, h, d)[slots].cpu().contiguous()
+                save_file(tensors, str(tmp / "kv.safetensors"))
+            os.chmod(tmp, 0o755)
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
 
     def reset(self) -> None:
         """Forget the conversation (keeps the system prompt) and free its KV blocks."""
