@@ -139,22 +139,12 @@ class TorchBackend(Backend):
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         nb, bs, kvh, d = k_cache.shape
         k_flat, v_flat = k_cache.view(nb * bs, kvh, d), v_cache.view(nb * bs, kvh, d)
-        per_seq = meta.scratch.get("torch_attn")
-        if per_seq is None:  # slot indices and masks are the same for every layer of the step
-            per_seq = []
-            for b in range(meta.num_seqs):
-                qs, qe = meta.query_start[b], meta.query_start[b + 1]
-                t, ctx = qe - qs, meta.context_lens[b]
-                table = torch.tensor(meta.block_tables[b][:(ctx + bs - 1) // bs], dtype=torch.long)
-                slots = (table.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[:ctx].to(q.device)
-                mask = None
-                if 1 < t < ctx:  # query j sits at position ctx - t + j and sees keys 0 .. ctx - t + j
-                    rows = torch.arange(t, device=q.device).unsqueeze(1) + (ctx - t)
-                    mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-                per_seq.append((qs, qe, slots, mask, t == ctx and t > 1))
-            meta.scratch["torch_attn"] = per_seq
-        out = q.new_empty(q.shape) if len(per_seq) > 1 else None
-        for qs, qe, slots, mask, causal in per_seq:
+        plan = meta.scratch.get("torch_attn")
+        if plan is None:  # gather indices and masks are the same for every layer of the step
+            plan = meta.scratch["torch_attn"] = _attention_plan(meta, bs, q.device)
+        singles, decode = plan
+        out = q.new_empty(q.shape) if (len(singles) + (decode is not None)) > 1 or decode is not None else None
+        for qs, qe, slots, mask, causal in singles:
             kb = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
             vb = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             if kb.dtype != q.dtype:
@@ -166,7 +156,50 @@ class TorchBackend(Backend):
             if out is None:
                 return o
             out[qs:qe] = o
+        if decode is not None:
+            # all one-token queries at once: K/V gathered into [B, KVH, L, D] padded to the longest context
+            rows, idx, mask = decode
+            b, length = idx.shape
+            kb = k_flat.index_select(0, idx.view(-1)).view(b, length, kvh, d).transpose(1, 2)
+            vb = v_flat.index_select(0, idx.view(-1)).view(b, length, kvh, d).transpose(1, 2)
+            if kb.dtype != q.dtype:
+                kb, vb = kb.to(q.dtype), vb.to(q.dtype)
+            qb = q.index_select(0, rows).unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
+            out.index_copy_(0, rows, o.squeeze(2))
         return out
+
+
+def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device):
+    """Per step: (single-sequence jobs, batched-decode job or None)."""
+    singles, dec = [], []
+    for b in range(meta.num_seqs):
+        qs, qe = meta.query_start[b], meta.query_start[b + 1]
+        t, ctx = qe - qs, meta.context_lens[b]
+        table = torch.tensor(meta.block_tables[b][:(ctx + bs - 1) // bs], dtype=torch.long)
+        slots = (table.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[:ctx]
+        if t == 1:
+            dec.append((qs, slots))
+            continue
+        mask = None
+        if t < ctx:  # query j sits at position ctx - t + j and sees keys 0 .. ctx - t + j
+            rows = torch.arange(t, device=device).unsqueeze(1) + (ctx - t)
+            mask = torch.arange(ctx, device=device).unsqueeze(0) <= rows
+        singles.append((qs, qe, slots.to(device), mask, t == ctx))
+    decode = None
+    if len(dec) == 1:
+        qs, slots = dec[0]
+        singles.append((qs, qs + 1, slots.to(device), None, False))
+    elif dec:
+        length = max(len(sl) for _, sl in dec)
+        idx = torch.zeros(len(dec), length, dtype=torch.long)
+        mask = torch.zeros(len(dec), 1, 1, length, dtype=torch.bool)
+        for i, (_, sl) in enumerate(dec):
+            idx[i, :len(sl)] = sl
+            mask[i, 0, 0, :len(sl)] = True
+        rows = torch.tensor([qs for qs, _ in dec], dtype=torch.long)
+        decode = (rows.to(device), idx.to(device), mask.to(device))
+    return singles, decode
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
