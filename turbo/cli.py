@@ -156,18 +156,26 @@ lite.add_command(gptq, "auto-gptq")
 @click.option("--seed", default=None, type=int)
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--dtype", default="auto", show_default=True)
-@click.option("--backend", default="auto", show_default=True)
+@click.option("--backend", default="auto", show_default=True, help="auto or torch.")
+@click.option("--session-len", default=None, type=int, help="Longest conversation in tokens.")
+@click.option("--kv-cache-gib", default=None, type=float, help="KV pool size in GiB.")
+@click.option("--cache-max-entry-count", default=None, type=float,
+              help="KV pool as a fraction of the memory left after the weights (0-1].")
 @friendly_errors
-def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, backend) -> None:
+def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, backend, session_len, kv_cache_gib,
+         cache_max_entry_count) -> None:
     """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too."""
     from turbo import Engine, EngineConfig, GenerationConfig
 
-    engine = Engine(model, EngineConfig(dtype=dtype, backend=backend))
+    engine = Engine(model, EngineConfig(dtype=dtype, backend=backend, session_len=session_len,
+                                        kv_cache_gib=kv_cache_gib, cache_max_entry_count=cache_max_entry_count))
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed)
     session = engine.session(system)
     interactive = sys.stdin.isatty()
-    click.echo(f"[liteturbo] {engine.path} ({engine.model.quant_method or 'float'}, {engine.dtype}); "
+    st = engine.stats()
+    click.echo(f"[liteturbo] {engine.path} ({engine.model.quant_method or 'float'}, {engine.dtype}); KV pool "
+               f"{st['blocks_total']} blocks x {st['block_size']} tokens = {st['kv_cache_bytes'] / 2**20:.0f} MiB; "
                f"/reset clears the history, /exit quits", err=True)
     total_tokens, total_s = 0, 0.0
     while True:
