@@ -93,6 +93,7 @@ class TorchBackend(Backend):
 
     # --- W4A16 ---------------------------------------------------------------------------------
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
+        """int4pack on CPU when the layout allows (see :func:`int4pack_supported`), else a :class:`DequantHandle`."""
         if self.int4_kernel and int4pack_supported(qw, self.device):
             return pack_int4_for_cpu(qw, dtype)
         moved = QuantizedWeight(
@@ -103,6 +104,7 @@ class TorchBackend(Backend):
         return DequantHandle(moved, dtype, None if qw.bias is None else qw.bias.to(self.device, dtype))
 
     def w4a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
+        """See :meth:`Backend.w4a16_linear`; computes in the handle's dtype, returns ``x.dtype``."""
         if isinstance(handle, Int4PackHandle):
             xin = x if x.dtype == handle.dtype else x.to(handle.dtype)
             if handle.in_perm is not None:
@@ -115,6 +117,7 @@ class TorchBackend(Backend):
         return F.linear(x, w, None if handle.bias is None else handle.bias.to(x.dtype))
 
     def w8a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
+        """``aten._weight_int8pack_mm`` for 16-bit CPU activations, else the generic path."""
         q, scales = handle
         if self.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and hasattr(
                 torch.ops.aten, "_weight_int8pack_mm"):
@@ -123,20 +126,24 @@ class TorchBackend(Backend):
 
     # --- elementwise ----------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """As transformers' LlamaRMSNorm: statistics in float32, scaled in ``x.dtype``."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """Rotate-half RoPE of q and k with precomputed cos/sin ``[T, 1, D]``."""
         return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
 
     # --- paged KV --------------------------------------------------------------------------------
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        """``index_copy_`` of ``k, v [T, KVH, D]`` into the flattened caches at ``slot_mapping``."""
         nb, bs, kvh, d = k_cache.shape
         k_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """SDPA per prefill sequence, and one padded SDPA for all one-token (decode) queries of the step."""
         nb, bs, kvh, d = k_cache.shape
         k_flat, v_flat = k_cache.view(nb * bs, kvh, d), v_cache.view(nb * bs, kvh, d)
         plan = meta.scratch.get("torch_attn")
