@@ -447,27 +447,23 @@ class Engine:
         """
         import asyncio
 
-        req = self.add_request(prompt, gen or _gen_config(kwargs))
+        inner = self._drive(self.add_request(prompt, gen or _gen_config(kwargs)), every_step=True)
         try:
-            while not req.finished:
-                self.step()
-                text = req.take_text()
-                if text:
-                    yield text
+            for item in inner:
+                if item != "":
+                    yield item
                 await asyncio.sleep(0)
-            text = req.take_text()
-            if text:
-                yield text
         finally:
-            self.cancel(req)
-        yield self.output(req)
+            inner.close()  # an abandoned stream cancels its request
 
-    def _drive(self, req: Request) -> Iterator[str | GenerationOutput]:
+    def _drive(self, req: Request, every_step: bool = False) -> Iterator[str | GenerationOutput]:
+        """Step until ``req`` finishes, yielding its new text (``""`` after text-less steps if ``every_step``),
+        then its :class:`GenerationOutput`."""
         try:
             while not req.finished:
                 self.step()
                 text = req.take_text()
-                if text:
+                if text or every_step:
                     yield text
             text = req.take_text()
             if text:
