@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from backends.torch_backend import DequantHandle, Int4PackHandle, TorchBackend
+from backends.torch_backend import DequantHandle, Int4PackHandle, TorchBackend, _int8_tiled_mm
 from backends.types import AttentionMetadata, QuantizedWeight
 from lite.rtn import quantize_rtn
 
@@ -97,7 +97,7 @@ def test_w4a16_linear_matches_f64_reference(int4_kernel, dtype, shape, bias):
     eff_gs = in_f if gs == -1 else gs
     w_ref = _dense_ref_f64(qw.qweight, qw.qzeros, qw.scales, [i // eff_gs for i in range(in_f)])
     gen = torch.Generator().manual_seed(seed + 1)
-    for batch in (1, 3, 17):
+    for batch in (1, 3, 17, be.dequant_min_rows + 5):  # the last takes the dequantize + GEMM path
         x = torch.randn(batch, in_f, generator=gen).to(dtype)
         y = be.w4a16_linear(x, handle)
         assert y.dtype == dtype
@@ -137,7 +137,7 @@ def test_w4a16_act_order_g_idx_matches(int4_kernel, dtype):
     assert isinstance(handle, Int4PackHandle if int4_kernel else DequantHandle)
     w_ref = _dense_ref_f64(qw.qweight, qw.qzeros, qw.scales, g_idx.tolist())
     gen = torch.Generator().manual_seed(22)
-    for batch in (1, 17):
+    for batch in (1, 17, be.dequant_min_rows):
         x = torch.randn(batch, in_f, generator=gen).to(dtype)
         y_ref = x.double() @ w_ref.T + qw.bias.double()
         _assert_close_rel(be.w4a16_linear(x, handle), y_ref, TOL[dtype])
@@ -146,7 +146,7 @@ def test_w4a16_act_order_g_idx_matches(int4_kernel, dtype):
 # ------------------------------------------------------------------------------------------------
 # W8A16
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("batch", [1, 17])
+@pytest.mark.parametrize("batch", [1, 11, 12, 17, 70], ids=lambda b: f"rows{b}")
 def test_w8a16_linear_matches_f64_reference(batch):
     out_f, in_f = 136, 320
     gen = torch.Generator().manual_seed(31)
@@ -170,6 +170,9 @@ def test_w8a16_linear_matches_f64_reference(batch):
     y = be.w8a16_linear(x, (q, scales))
     assert y.dtype == torch.bfloat16 and y.shape == (batch, out_f)
     _assert_close_rel(y, x.double() @ w_deq.T, 2e-2)
+    # the many-rows path dequantizes tile by tile: tiles that do not divide out_features (136 = 3*40 + 16)
+    y_tiled = _int8_tiled_mm(x, q, scales, tile=40)
+    _assert_close_rel(y_tiled, x.double() @ w_deq.T, 2e-2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,6 +320,7 @@ SEQ_DECODE = (6, 1, [11, 3])                 # 6 cached + 1 decode token, ctx 7
 SEQ_CHUNK = (8, 5, [7, 0, 14, 5])            # chunked prefill: 5 new tokens over a context of 13
 SEQ_PREFILL = (0, 6, [12, 1])                # full prefill of 6 tokens
 SEQ_DECODE_FIRST = (0, 1, [4])               # a 1-token prompt: t == ctx == 1
+SEQ_DECODE_LONG = (13, 1, [8, 10, 13, 15])   # a longer decode: shorter decode rows are padded to its 14
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -324,10 +328,13 @@ SEQ_DECODE_FIRST = (0, 1, [4])               # a 1-token prompt: t == ctx == 1
     [SEQ_DECODE, SEQ_CHUNK],
     [SEQ_CHUNK, SEQ_DECODE, SEQ_PREFILL],
     [SEQ_PREFILL, SEQ_DECODE_FIRST],
+    [SEQ_DECODE, SEQ_DECODE_LONG, SEQ_DECODE_FIRST],
+    [SEQ_DECODE_FIRST, SEQ_CHUNK, SEQ_DECODE_LONG],
     [SEQ_DECODE],
     [SEQ_CHUNK],
     [SEQ_PREFILL],
-], ids=["decode+chunk", "chunk+decode+prefill", "prefill+first", "decode_only", "chunk_only", "prefill_only"])
+], ids=["decode+chunk", "chunk+decode+prefill", "prefill+first", "three_decodes", "first+chunk+long",
+        "decode_only", "chunk_only", "prefill_only"])
 def test_paged_attention_matches_naive_f64(seqs, dtype):
     be, k_cache, v_cache, q, meta, full_k, full_v = _build_step(seqs, dtype, seed=len(seqs) * 100 + 7)
     scale = 1.0 / math.sqrt(HD)
