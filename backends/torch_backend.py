@@ -187,8 +187,9 @@ class TorchBackend(Backend):
         v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """SDPA per multi-token (prefill) sequence; all one-token (decode) queries of the step together as
-        two batched matmuls over K/V gathered and padded to the longest context (softmax in float32)."""
+        """SDPA per multi-token (prefill) sequence; two or more one-token (decode) queries of the step
+        together as two batched matmuls over K/V gathered and padded to the longest context (softmax in
+        float32): CPU SDPA takes ~10x longer for a batch of 32 decode rows in bf16."""
         nb, bs, kvh, d = k_cache.shape
         k_flat, v_flat = k_cache.view(nb * bs, kvh, d), v_cache.view(nb * bs, kvh, d)
         plan = meta.scratch.get("torch_attn")
@@ -259,7 +260,10 @@ def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device):
             mask = torch.arange(ctx, device=device).unsqueeze(0) <= rows
         singles.append((qs, qe, slots.to(device), mask, t == ctx))
     decode = None
-    if dec:
+    if len(dec) == 1:  # one decode row: SDPA without a mask is the faster kernel (measured ~50 vs ~75 us)
+        qs, slots = dec[0]
+        singles.append((qs, qs + 1, slots.to(device), None, False))
+    elif dec:
         length = max(len(sl) for _, sl in dec)
         idx = torch.empty(len(dec), length, dtype=torch.long)
         pad = torch.zeros(len(dec), 1, 1, length, dtype=torch.bool)  # True = padding, masked out
