@@ -65,10 +65,21 @@ class Backend(ABC):
         """
 
     # --- paged KV cache -----------------------------------------------------------------------
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+        """Shape of one layer's K (and V) cache tensor. The layout belongs to the backend; everyone else
+        addresses tokens by slot (``block_id * block_size + offset``) through :meth:`write_kv`/:meth:`read_kv`.
+        Default ``[num_blocks, block_size, KVH, D]``."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def read_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple:
+        """K and V ``[n, KVH, D]`` stored at ``slots [n]`` (int64), for the default layout."""
+        nb, bs, kvh, d = k_cache.shape
+        return k_cache.view(nb * bs, kvh, d)[slots], v_cache.view(nb * bs, kvh, d)[slots]
+
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """Store ``k, v [T, KVH, D]`` into caches ``[num_blocks, block_size, KVH, D]`` at ``slot_mapping [T]``."""
+        """Store ``k, v [T, KVH, D]`` into the caches (shape :meth:`kv_cache_shape`) at ``slot_mapping [T]``."""
 
     @abstractmethod
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -180,26 +180,38 @@ class TorchBackend(Backend):
         return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
 
     # --- paged KV --------------------------------------------------------------------------------
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+        """Head-major ``[KVH, num_blocks, block_size, D]``: gathering a sequence's blocks yields the
+        ``[KVH, tokens, D]`` operand attention multiplies with, without a transpose copy."""
+        return (num_kv_heads, num_blocks, block_size, head_dim)
+
+    def read_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple:
+        """K and V ``[n, KVH, D]`` stored at ``slots [n]``."""
+        kvh, nb, bs, d = k_cache.shape
+        return (k_cache.view(kvh, nb * bs, d).index_select(1, slots).transpose(0, 1),
+                v_cache.view(kvh, nb * bs, d).index_select(1, slots).transpose(0, 1))
+
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        """``index_copy_`` of ``k, v [T, KVH, D]`` into the flattened caches at ``slot_mapping``."""
-        nb, bs, kvh, d = k_cache.shape
-        k_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        """``index_copy_`` of ``k, v [T, KVH, D]`` into the head-major caches at ``slot_mapping``."""
+        kvh, nb, bs, d = k_cache.shape
+        k_cache.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """SDPA per multi-token (prefill) sequence; two or more one-token (decode) queries of the step
-        together as two batched matmuls over K/V gathered and padded to the longest context (softmax in
-        float32): CPU SDPA takes ~10x longer for a batch of 32 decode rows in bf16."""
-        nb, bs, kvh, d = k_cache.shape
-        k_flat, v_flat = k_cache.view(nb * bs, kvh, d), v_cache.view(nb * bs, kvh, d)
+        """SDPA per multi-token (prefill) sequence and for a lone decode row; two or more one-token (decode)
+        queries of the step together as two batched matmuls over their K/V, gathered and padded to the
+        longest context (softmax in float32, padding masked): CPU SDPA takes ~10x longer for a batch of 32
+        decode rows in bf16."""
+        kvh, nb, bs, d = k_cache.shape
+        k_flat, v_flat = k_cache.view(kvh, nb * bs, d), v_cache.view(kvh, nb * bs, d)
         plan = meta.scratch.get("torch_attn")
         if plan is None:  # gather indices and masks are the same for every layer of the step
             plan = meta.scratch["torch_attn"] = _attention_plan(meta, bs, q.device)
         singles, decode = plan
         out = q.new_empty(q.shape) if len(singles) > 1 or decode is not None else None
         for qs, qe, slots, mask, causal in singles:
-            kb = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-            vb = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            kb = k_flat.index_select(1, slots).unsqueeze(0)  # [1, KVH, ctx, D]
+            vb = v_flat.index_select(1, slots).unsqueeze(0)
             if kb.dtype != q.dtype:
                 kb, vb = kb.to(q.dtype), vb.to(q.dtype)
             qb = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
@@ -210,21 +222,19 @@ class TorchBackend(Backend):
                 return o
             out[qs:qe] = o
         if decode is not None:
-            # all one-token queries at once, by two batched matmuls (CPU SDPA is ~10x slower here in bf16):
-            # K/V gathered into [B, KVH, L, D] padded to the longest context, GQA as [B, KVH, H/KVH, D]
-            rows, idx, mask = decode
+            rows, idx, pad = decode  # idx [B, L] slots (padded with a row's own last slot), pad [1, B, 1, L]
             b, length = idx.shape
-            kb = k_flat.index_select(0, idx.view(-1)).view(b, length, kvh, d).permute(0, 2, 3, 1)
-            vb = v_flat.index_select(0, idx.view(-1)).view(b, length, kvh, d).transpose(1, 2)
+            kb = k_flat.index_select(1, idx.view(-1)).view(kvh, b, length, d)  # [KVH, B, L, D]
+            vb = v_flat.index_select(1, idx.view(-1)).view(kvh, b, length, d)
             if kb.dtype != q.dtype:
                 kb, vb = kb.to(q.dtype), vb.to(q.dtype)
-            qb = q.index_select(0, rows).view(b, kvh, q.shape[1] // kvh, d)
-            scores = torch.matmul(qb, kb).float().mul_(scale)  # [B, KVH, G, L], softmax in float32
-            if mask is not None:
-                scores.masked_fill_(mask, float("-inf"))
+            h = q.shape[1]
+            qb = q.index_select(0, rows).view(b, kvh, h // kvh, d).transpose(0, 1)  # [KVH, B, G, D]
+            scores = torch.matmul(qb, kb.transpose(-1, -2)).float().mul_(scale)  # [KVH, B, G, L]
+            scores.masked_fill_(pad, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            o = torch.matmul(probs, vb)  # [B, KVH, G, D]
-            out.index_copy_(0, rows, o.view(b, q.shape[1], d))
+            o = torch.matmul(probs, vb).transpose(0, 1).reshape(b, h, d)
+            out.index_copy_(0, rows, o)
         return out
 
 
@@ -252,7 +262,7 @@ def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device):
         table = torch.tensor(meta.block_tables[b][:(ctx + bs - 1) // bs], dtype=torch.long)
         slots = (table.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[:ctx]
         if t == 1:
-            dec.append((qs, slots))
+            dec.append((qs, slots, None))
             continue
         mask = None
         if t < ctx:  # query j sits at position ctx - t + j and sees keys 0 .. ctx - t + j
@@ -261,18 +271,18 @@ def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device):
         singles.append((qs, qe, slots.to(device), mask, t == ctx))
     decode = None
     if len(dec) == 1:  # one decode row: SDPA without a mask is the faster kernel (measured ~50 vs ~75 us)
-        qs, slots = dec[0]
+        qs, slots, _ = dec[0]
         singles.append((qs, qs + 1, slots.to(device), None, False))
     elif dec:
-        length = max(len(sl) for _, sl in dec)
+        length = max(len(sl) for _, sl, _ in dec)
         idx = torch.empty(len(dec), length, dtype=torch.long)
-        pad = torch.zeros(len(dec), 1, 1, length, dtype=torch.bool)  # True = padding, masked out
-        for i, (_, sl) in enumerate(dec):
+        pad = torch.zeros(1, len(dec), 1, length, dtype=torch.bool)  # True = padding, masked out
+        for i, (_, sl, _) in enumerate(dec):
             idx[i, :len(sl)] = sl
-            idx[i, len(sl):] = sl[-1]  # pad with one of the sequence's own (finite) slots
-            pad[i, 0, 0, len(sl):] = True
-        rows = torch.tensor([qs for qs, _ in dec], dtype=torch.long)
-        decode = (rows.to(device), idx.to(device), pad.to(device) if bool(pad.any()) else None)
+            idx[i, len(sl):] = sl[-1]  # pad with one of the row's own (written, finite) slots
+            pad[0, i, 0, len(sl):] = True
+        rows = torch.tensor([qs for qs, _, _ in dec], dtype=torch.long)
+        decode = (rows.to(device), idx.to(device), pad.to(device))
     return singles, decode
 
 

@@ -264,8 +264,9 @@ def _build_step(seqs, dtype, seed):
     then this step's K/V through write_kv, and returns everything needed to check attention."""
     gen = torch.Generator().manual_seed(seed)
     be = TorchBackend("cpu")
-    k_cache = torch.full((NUM_BLOCKS, BS, KVH, HD), float("nan"), dtype=dtype)  # NaN poison: unread slots
-    v_cache = torch.full((NUM_BLOCKS, BS, KVH, HD), float("nan"), dtype=dtype)
+    shape = be.kv_cache_shape(NUM_BLOCKS, BS, KVH, HD)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)  # NaN poison: unread slots
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
     full_k, full_v, qs_list = [], [], []
     # earlier step(s): the already-cached tokens
     for cached, new, table in seqs:
@@ -298,21 +299,28 @@ def _build_step(seqs, dtype, seed):
     return be, k_cache, v_cache, torch.cat(qs_list), meta, full_k, full_v
 
 
+def test_kv_cache_layout_is_head_major_blocks():
+    be = TorchBackend("cpu")
+    assert be.kv_cache_shape(NUM_BLOCKS, BS, KVH, HD) == (KVH, NUM_BLOCKS, BS, HD)
+
+
 def test_write_kv_places_tokens_in_slots():
     be = TorchBackend("cpu")
-    k_cache = torch.zeros(NUM_BLOCKS, BS, KVH, HD)
-    v_cache = torch.zeros(NUM_BLOCKS, BS, KVH, HD)
+    k_cache = torch.zeros(be.kv_cache_shape(NUM_BLOCKS, BS, KVH, HD))
+    v_cache = torch.zeros(be.kv_cache_shape(NUM_BLOCKS, BS, KVH, HD))
     k = torch.randn(5, KVH, HD)
     v = torch.randn(5, KVH, HD)
     table = [9, 2]
     slots = torch.tensor(_slots(table, 1, 6))  # tokens 1..5: block 9 offsets 1..3, block 2 offsets 0..1
     be.write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache[9, 1:4], k[0:3]) and torch.equal(k_cache[2, 0:2], k[3:5])
-    assert torch.equal(v_cache[9, 1:4], v[0:3]) and torch.equal(v_cache[2, 0:2], v[3:5])
-    mask = torch.ones(NUM_BLOCKS, BS, dtype=torch.bool)
-    mask[9, 1:4] = False
-    mask[2, 0:2] = False
-    assert torch.count_nonzero(k_cache[mask]) == 0 and torch.count_nonzero(v_cache[mask]) == 0
+    # head-major [KVH, block, offset, D], indexed by hand
+    for j, (blk, off) in enumerate([(9, 1), (9, 2), (9, 3), (2, 0), (2, 1)]):
+        for h in range(KVH):
+            assert torch.equal(k_cache[h, blk, off], k[j, h]) and torch.equal(v_cache[h, blk, off], v[j, h])
+    rk, rv = be.read_kv(k_cache, v_cache, slots)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    # nothing else was written
+    assert torch.count_nonzero(k_cache) == torch.count_nonzero(k) and torch.count_nonzero(v_cache) == torch.count_nonzero(v)
 
 
 # block tables: non-contiguous and shuffled; unused blocks stay NaN so a wrong gather shows up

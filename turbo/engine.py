@@ -73,7 +73,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
         cfg = model.cfg
         self.model, self.block_size = model, block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = model.backend.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         dev, dt = model.backend.device, model.dtype
         self.kv_caches = [(torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
                           for _ in range(cfg.num_layers)]
@@ -576,9 +576,9 @@ class Session:
                 slots = torch.tensor(self.engine.block_manager.slots(self.seq.block_table, 0, n), dtype=torch.long)
                 tensors = {}
                 for i, (k, v) in enumerate(self.engine.runner.kv_caches):
-                    nb, bs, h, d = k.shape
-                    tensors[f"k.{i}"] = k.view(nb * bs, h, d)[slots].cpu().contiguous()
-                    tensors[f"v.{i}"] = v.view(nb * bs, h, d)[slots].cpu().contiguous()
+                    kk, vv = self.engine.backend.read_kv(k, v, slots.to(k.device))
+                    tensors[f"k.{i}"] = kk.cpu().contiguous()  # [tokens, KVH, D], whatever the cache layout
+                    tensors[f"v.{i}"] = vv.cpu().contiguous()
                 save_file(tensors, str(tmp / "kv.safetensors"))
             os.chmod(tmp, 0o755)
             if path.exists():
