@@ -18,8 +18,11 @@ class Backend(ABC):
 
     name: str = "base"
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", batch_invariant: bool = False) -> None:
         self.device = torch.device(device)
+        # batch_invariant: a token's result must not depend on what else is in the step (kernels are then
+        # chosen per token, never by the step's row count), at some speed cost; as vLLM's batch-invariant mode
+        self.batch_invariant = batch_invariant
 
     # --- linear layers -------------------------------------------------------------------------
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Any:

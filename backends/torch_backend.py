@@ -118,16 +118,22 @@ class TorchBackend(Backend):
     grows with every row (2 threads, 3072x576 weight: 128 rows take 3.1 ms in int4pack vs 3.3 ms dequant +
     bf16 GEMM, 1,024 rows ~21 ms vs ~10 ms; the crossover measured 70-100 rows over SmolLM2's shapes).
     ``int8_tile_min_rows``: the same switch for the int8 lm_head, which is dequantized tile by tile.
+
+    ``batch_invariant=True`` keeps every token's numbers independent of the step it runs in: int4pack and
+    int8pack for any row count (both compute each row on its own) and the batched decode attention even for
+    a lone decode row. Prefill then costs ~2x more on CPU; greedy outputs in 16-bit no longer depend on
+    batching, chunking or prefix-cache hits (float32 is close enough either way for the tests).
     """
 
     name = "torch"
 
     def __init__(self, device: torch.device | str = "cpu", int4_kernel: bool = True,
-                 dequant_min_rows: int = 96, int8_tile_min_rows: int = 12) -> None:
-        super().__init__(device)
+                 dequant_min_rows: int = 96, int8_tile_min_rows: int = 12, batch_invariant: bool = False) -> None:
+        super().__init__(device, batch_invariant)
         self.int4_kernel = int4_kernel
-        self.dequant_min_rows = dequant_min_rows
-        self.int8_tile_min_rows = int8_tile_min_rows
+        never = 1 << 62
+        self.dequant_min_rows = never if batch_invariant else dequant_min_rows
+        self.int8_tile_min_rows = never if batch_invariant else int8_tile_min_rows
 
     # --- W4A16 ---------------------------------------------------------------------------------
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
@@ -206,7 +212,7 @@ class TorchBackend(Backend):
         k_flat, v_flat = k_cache.view(kvh, nb * bs, d), v_cache.view(kvh, nb * bs, d)
         plan = meta.scratch.get("torch_attn")
         if plan is None:  # gather indices and masks are the same for every layer of the step
-            plan = meta.scratch["torch_attn"] = _attention_plan(meta, bs, q.device)
+            plan = meta.scratch["torch_attn"] = _attention_plan(meta, bs, q.device, self.batch_invariant)
         singles, decode = plan
         out = q.new_empty(q.shape) if len(singles) > 1 or decode is not None else None
         for qs, qe, slots, mask, causal in singles:
@@ -253,7 +259,7 @@ def _int8_tiled_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, tile:
     return y
 
 
-def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device):
+def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batch_invariant: bool = False):
     """Per step: (single-sequence jobs, batched-decode job or None)."""
     singles, dec = [], []
     for b in range(meta.num_seqs):
@@ -270,7 +276,7 @@ def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device):
             mask = torch.arange(ctx, device=device).unsqueeze(0) <= rows
         singles.append((qs, qe, slots.to(device), mask, t == ctx))
     decode = None
-    if len(dec) == 1:  # one decode row: SDPA without a mask is the faster kernel (measured ~50 vs ~75 us)
+    if len(dec) == 1 and not batch_invariant:  # one decode row: SDPA without a mask is the faster kernel (measured ~50 vs ~75 us)
         qs, slots, _ = dec[0]
         singles.append((qs, qs + 1, slots.to(device), None, False))
     elif dec:

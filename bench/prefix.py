@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--question-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="run turbo with EngineConfig(batch_invariant=True): bit-exact 16-bit outputs, slower prefill")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -42,8 +44,9 @@ def main() -> None:
 
     src = resolve_model(args.model)
     w4, _tmp = w4a16_checkpoint(str(src), 64, args.w4a16)
-    on = Engine(w4, EngineConfig(max_kv_tokens=8192))
-    off = Engine(w4, EngineConfig(max_kv_tokens=8192, enable_prefix_caching=False))
+    on = Engine(w4, EngineConfig(max_kv_tokens=8192, batch_invariant=args.batch_invariant))
+    off = Engine(w4, EngineConfig(max_kv_tokens=8192, enable_prefix_caching=False,
+                                  batch_invariant=args.batch_invariant))
     system = text_prompts(on.tokenizer, 1, args.system_tokens)[0]
     questions = text_prompts(on.tokenizer, args.requests, args.question_tokens, offset=args.system_tokens)
     prompts = [system + q for q in questions]
@@ -54,11 +57,13 @@ def main() -> None:
     p_on, t_on, o_on = run(on, prompts, gen)
     r = {"requests": args.requests, "system_tokens": args.system_tokens, "prefill_tokens_without": p_off,
          "prefill_tokens_with": p_on, "seconds_without": t_off, "seconds_with": t_on,
-         "speedup": t_off / t_on, "same_outputs": o_on == o_off}
+         "speedup": t_off / t_on, "same_outputs": o_on == o_off,
+         "batch_invariant": args.batch_invariant}
     if args.json:
         print(json.dumps(r))
         return
-    print(f"{args.requests} requests sharing a {args.system_tokens}-token prefix, {args.threads} threads")
+    print(f"{args.requests} requests sharing a {args.system_tokens}-token prefix, {args.threads} threads"
+          + (", batch_invariant" if args.batch_invariant else ""))
     print(f"without prefix cache: {p_off:6d} prefill tokens, {t_off:6.2f} s")
     print(f"with prefix cache:    {p_on:6d} prefill tokens, {t_on:6.2f} s  ({r['speedup']:.1f}x faster; "
           f"same outputs: {r['same_outputs']})")

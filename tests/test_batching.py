@@ -76,3 +76,19 @@ def test_evicted_session_continues_identically(smollm2_path):
     got += [s.chat(t, gen=gen) for t in turns[1:]]
     assert s.last.cached_tokens < s.last.prompt_tokens
     assert got == expected
+
+
+def test_batch_invariant_bf16_w4a16_matches_alone_bit_exact(smollm2_rtn_g64):
+    """In 16-bit, batch_invariant=True makes a request's greedy tokens independent of batching, chunked
+    prefill and preemption: the W4A16 RTN model in bfloat16, 32 requests in a tiny pool vs alone."""
+    gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    alone_engine = Engine(smollm2_rtn_g64, EngineConfig(dtype="bfloat16", max_kv_tokens=2048,
+                                                         enable_prefix_caching=False, batch_invariant=True))
+    alone = [alone_engine.generate(p, gen).token_ids for p in _prompts(32)]
+    engine = Engine(smollm2_rtn_g64, EngineConfig(dtype="bfloat16", max_kv_tokens=192, block_size=16,
+                                                   max_num_batched_tokens=256, batch_invariant=True))
+    reqs = [engine.add_request(p, gen) for p in _prompts(32)]
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(r.seq.num_preemptions for r in reqs) > 0
+    assert [r.output_ids for r in reqs] == alone

@@ -24,6 +24,9 @@ class EngineConfig:
     session_len: longest token history of one sequence (default: the model's max_position_embeddings,
     capped by the pool). max_num_batched_tokens: tokens computed per step (long prompts are chunked to fit).
     max_batch_size: sequences in the persistent batch at most.
+    batch_invariant: kernels chosen per token, never by the step's size, so that in 16-bit a request's
+    greedy output does not depend on what it was batched with or on prefix-cache hits (bit-exact); costs
+    about 2x prefill speed on CPU. Off, outputs can differ in near-ties after rounding (float32: rarely).
     """
 
     backend: str = "auto"
@@ -39,6 +42,7 @@ class EngineConfig:
     max_batch_size: int = 64
     lm_head: str = "auto"
     enable_prefix_caching: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

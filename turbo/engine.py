@@ -146,7 +146,8 @@ class Engine:
             raise LiteturboError(f"bad Engine option: {e}") from None
         self.path = resolve_model(model)
         try:
-            self.backend = get_backend(self.config.backend, self.config.device)
+            self.backend = get_backend(self.config.backend, self.config.device,
+                                       batch_invariant=self.config.batch_invariant)
         except (ValueError, RuntimeError) as e:
             raise LiteturboError(str(e)) from None
         self.dtype = self.config.torch_dtype()
