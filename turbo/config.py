@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,27 @@ from lite.formats import LiteturboError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+
+
+def _coerce(obj, name: str, kind: str, optional: bool = False) -> None:
+    """Check (and normalise) one field's type; ``LiteturboError`` naming the field otherwise."""
+    v = getattr(obj, name)
+    if v is None and optional:
+        return
+    if kind == "bool":
+        if not isinstance(v, bool):
+            raise LiteturboError(f"{name} must be True or False, got {v!r}")
+    elif kind == "int":
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise LiteturboError(f"{name} must be an integer, got {v!r}")
+        setattr(obj, name, int(v))
+    elif kind == "float":
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise LiteturboError(f"{name} must be a number, got {v!r}")
+        setattr(obj, name, float(v))
+    elif kind == "str":
+        if not isinstance(v, str):
+            raise LiteturboError(f"{name} must be a string, got {v!r}")
 
 
 @dataclass
@@ -45,6 +67,16 @@ class EngineConfig:
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("backend", "device", "dtype", "lm_head"):
+            _coerce(self, name, "str")
+        for name in ("block_size", "max_kv_tokens", "max_num_batched_tokens", "max_batch_size"):
+            _coerce(self, name, "int")
+        for name in ("num_blocks", "session_len"):
+            _coerce(self, name, "int", optional=True)
+        for name in ("kv_cache_gib", "cache_max_entry_count"):
+            _coerce(self, name, "float", optional=True)
+        for name in ("enable_prefix_caching", "batch_invariant"):
+            _coerce(self, name, "bool")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise LiteturboError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_kv_tokens", "max_num_batched_tokens", "max_batch_size"):
@@ -104,6 +136,25 @@ class GenerationConfig:
     logprobs: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "top_k", "min_new_tokens", "logprobs"):
+            _coerce(self, name, "int")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            _coerce(self, name, "float")
+        _coerce(self, "ignore_eos", "bool")
+        _coerce(self, "seed", "int", optional=True)
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise LiteturboError(f"seed must be in [0, 2**63), got {self.seed}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
+            raise LiteturboError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, numbers.Integral) and not isinstance(self.stop_token_ids, bool):
+            self.stop_token_ids = [self.stop_token_ids]
+        if not isinstance(self.stop_token_ids, (list, tuple, set)) or not all(
+                isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in self.stop_token_ids):
+            raise LiteturboError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(x) for x in self.stop_token_ids]
         if self.max_new_tokens < 1:
             raise LiteturboError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_p <= 1:
@@ -123,5 +174,3 @@ class GenerationConfig:
             raise LiteturboError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise LiteturboError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]

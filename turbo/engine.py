@@ -7,6 +7,7 @@ all computed. Everything else (APIs, sessions, streaming) is built on ``add_requ
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,7 @@ class GenerationOutput:
     """Result of one request: text, generated ids, why it stopped, and timings (seconds).
 
     finish_reason: ``stop`` (EOS, stop string or stop id), ``length`` (max_new_tokens or the context),
-    ``cancelled``.
+    ``cancelled``, ``error`` (the step or its sampling raised; the stream/generate call re-raises it).
     """
 
     text: str
@@ -111,6 +112,7 @@ class Request:
     pending: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = -1
+    error: BaseException | None = None  # why it finished with finish_reason "error"
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_end: float | None = None
@@ -140,6 +142,12 @@ class Engine:
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **kwargs) -> None:
         from transformers import AutoTokenizer
 
+        if config is not None and kwargs:
+            raise LiteturboError(f"give options either as config=EngineConfig(...) or as keywords, not both "
+                                 f"(got config and {sorted(kwargs)})")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise LiteturboError(f"config must be an EngineConfig, got {type(config).__name__}; "
+                                 f"use EngineConfig(**options) or pass the options as keywords")
         try:
             self.config = config or EngineConfig(**kwargs)
         except TypeError as e:
@@ -156,12 +164,21 @@ class Engine:
             self.config.lm_head == "auto" and bool(raw_cfg.get("quantization_config"))
             and self.backend.device.type == "cpu" and self.dtype != torch.float32)
         self.model = LlamaModel.from_pretrained(self.path, self.backend, self.dtype, lm_head_int8=lm_int8)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        except (OSError, ValueError) as e:
+            raise LiteturboError(f"cannot load the tokenizer of {self.path} ({str(e).splitlines()[0][:200]}); the "
+                                 f"folder needs the tokenizer files of the original model (tokenizer.json, "
+                                 f"tokenizer_config.json); copy them from it") from None
         bs = self.config.block_size
         num_blocks = self._pool_blocks()
         self.block_manager = BlockManager(num_blocks, bs, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, bs)
+        try:
+            self.runner = ModelRunner(self.model, num_blocks, bs)
+        except (RuntimeError, MemoryError) as e:
+            raise LiteturboError(f"cannot allocate the KV cache of {num_blocks} blocks x {bs} tokens ({e}); lower "
+                                 f"kv_cache_gib / cache_max_entry_count / num_blocks / max_kv_tokens") from None
         max_ctx = min(self.model.cfg.max_position_embeddings, num_blocks * bs)
         self.session_len = min(self.config.session_len or max_ctx, max_ctx)
         eos = set(self.model.cfg.eos_token_ids)
@@ -169,32 +186,43 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.requests: dict[int, Request] = {}
+        # one step at a time: threads may share an engine (each drives steps for everyone until its own
+        # request is done); the lock guards the scheduler, the block manager and the caches
+        self._lock = threading.RLock()
         self._ids = itertools.count()
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "last_prefill_tokens": 0,
                          "generated_tokens": 0, "busy_seconds": 0.0}
 
     def _pool_blocks(self) -> int:
-        """KV blocks to allocate, from the first pool-size option that is set (see :class:`EngineConfig`)."""
+        """KV blocks to allocate, from the first pool-size option that is set (see :class:`EngineConfig`).
+        Raises ``LiteturboError`` when the pool would not fit in the device's free memory."""
         cfg, m = self.config, self.model.cfg
         bs = cfg.block_size
         block_bytes = 2 * m.num_layers * bs * m.num_kv_heads * m.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        free = self._free_memory()
         if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        if cfg.kv_cache_gib is not None:
-            n = int(cfg.kv_cache_gib * 2**30 // block_bytes)
+            n, what = cfg.num_blocks, f"num_blocks={cfg.num_blocks}"
+        elif cfg.kv_cache_gib is not None:
+            n, what = int(cfg.kv_cache_gib * 2**30 // block_bytes), f"kv_cache_gib={cfg.kv_cache_gib}"
         elif cfg.cache_max_entry_count is not None:
-            if self.backend.device.type == "cuda":
-                free = torch.cuda.mem_get_info(self.backend.device)[0]
-            else:
-                import psutil
-
-                free = psutil.virtual_memory().available
-            n = int(cfg.cache_max_entry_count * free // block_bytes)
+            n, what = int(cfg.cache_max_entry_count * free // block_bytes), f"cache_max_entry_count={cfg.cache_max_entry_count}"
         else:
-            return (cfg.max_kv_tokens + bs - 1) // bs
+            n, what = (cfg.max_kv_tokens + bs - 1) // bs, f"max_kv_tokens={cfg.max_kv_tokens}"
         if n < 1:
             raise LiteturboError(f"the KV pool option leaves room for no block of {block_bytes} bytes; give it more")
+        if n * block_bytes > free:
+            raise LiteturboError(f"{what} asks for a KV cache of {n * block_bytes / 2**30:.2f} GiB but only "
+                                 f"{free / 2**30:.2f} GiB of {self.backend.device.type} memory is free; lower it "
+                                 f"(or use cache_max_entry_count, a fraction of the free memory)")
         return n
+
+    def _free_memory(self) -> int:
+        """Free bytes where the KV cache lives: free GPU memory, or available RAM on CPU."""
+        if self.backend.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.backend.device)[0]
+        import psutil
+
+        return psutil.virtual_memory().available
 
     # --- info ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -239,22 +267,39 @@ class Engine:
         weights and dtype (else recomputed on the next turn). Raises ``LiteturboError`` for a bad folder."""
         import json
 
-        from safetensors.torch import load_file
-
         path = Path(path).expanduser()
+        bad = f"{path} is not a saved liteturbo session"
         try:
             meta = json.loads((path / "session.json").read_text())
-            assert meta.get("format") == "liteturbo-session/1"
-        except (OSError, ValueError, AssertionError):
-            raise LiteturboError(f"{path} is not a saved liteturbo session (session.json missing or invalid)") from None
-        s = Session(self, meta.get("system"))
-        s.messages = list(meta["messages"])
-        s.seq.token_ids = [int(t) for t in meta["token_ids"]]
+        except (OSError, ValueError):
+            raise LiteturboError(f"{bad} (session.json missing or not JSON)") from None
+        if not isinstance(meta, dict) or meta.get("format") != "liteturbo-session/1":
+            raise LiteturboError(f"{bad} (session.json lacks format 'liteturbo-session/1')")
+        system, messages, token_ids = meta.get("system"), meta.get("messages"), meta.get("token_ids")
+        if system is not None and not isinstance(system, str):
+            raise LiteturboError(f"{bad}: 'system' must be a string or null")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise LiteturboError(f"{bad}: 'messages' must be a list of {{'role': str, 'content': str}}")
+        if not isinstance(token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.model.cfg.vocab_size
+                for t in token_ids):
+            raise LiteturboError(f"{bad}: 'token_ids' must be a list of token ids of this model's vocabulary")
+        s = Session(self, system)
+        s.messages = list(messages)
+        s.seq.token_ids = list(token_ids)
         if s.seq.token_ids:
             self._check_prompt(s.seq.token_ids, session=True)
-        n = int(meta.get("kv_tokens", 0))
-        if n and (path / "kv.safetensors").is_file() and meta.get("model_fingerprint") == self.fingerprint():
-            kv = load_file(str(path / "kv.safetensors"))
+        n = meta.get("kv_tokens", 0)
+        if not (isinstance(n, int) and 0 < n <= len(token_ids)):
+            return s  # no (usable) saved KV: the next turn recomputes the history
+        if not (path / "kv.safetensors").is_file() or meta.get("model_fingerprint") != self.fingerprint():
+            return s
+        kv = _load_session_kv(path / "kv.safetensors", n, self.model.cfg)
+        if kv is None:
+            return s  # damaged or foreign KV file: recomputing is always correct
+        with self._lock:
             try:
                 self.block_manager.ensure_capacity(s.seq.block_table, n)
             except Exception:
@@ -285,8 +330,26 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], gen: GenerationConfig | None = None, priority: int = 0,
                     seq: Sequence | None = None) -> Request:
-        """Queue a request; ``seq`` continues an existing sequence (a session), reusing its computed prefix."""
-        gen = gen or GenerationConfig()
+        """Queue a request; ``seq`` continues an existing sequence (a session), reusing its computed prefix.
+
+        ``priority``: lower runs first (and is preempted last). Raises ``LiteturboError`` for a bad prompt,
+        option or priority."""
+        with self._lock:
+            return self._add_request(prompt, gen, priority, seq)
+
+    def _add_request(self, prompt, gen, priority, seq) -> Request:
+        gen = GenerationConfig() if gen is None else gen
+        if not isinstance(gen, GenerationConfig):
+            raise LiteturboError(f"gen must be a GenerationConfig, got {type(gen).__name__}; use "
+                                 f"GenerationConfig(**options) or pass the options as keywords")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise LiteturboError(f"priority must be an integer (lower runs first), got {priority!r}")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise LiteturboError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in gen.stop_token_ids if t >= vocab]
+        if bad:
+            raise LiteturboError(f"stop_token_ids {bad[:3]} are outside the vocabulary (size {vocab})")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids, session=seq is not None)
         if seq is None:
@@ -310,8 +373,13 @@ class Engine:
         return req
 
     def cancel(self, req: Request) -> None:
-        """Stop a request now and free its blocks (a session keeps its computed tokens while memory allows)."""
-        if not req.finished:
+        """Stop a request now and free its blocks (a session keeps its computed tokens while memory allows).
+        Cancelling a finished request does nothing; a request of another engine raises ``LiteturboError``."""
+        with self._lock:
+            if req.finished:
+                return
+            if self.requests.get(req.seq.seq_id) is not req:
+                raise LiteturboError("this request belongs to another Engine; cancel it there")
             self._finish(req, "cancelled")
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -329,7 +397,15 @@ class Engine:
 
     # --- the step ----------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one scheduler step; returns the requests that got a new token (or finished)."""
+        """Run one scheduler step; returns the requests that got a new token (or finished).
+
+        If the step fails (a kernel error, a request's sampling options), the requests of the step are
+        finished with ``finish_reason="error"`` (their blocks freed) and the exception propagates, so no
+        request is left half-run."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[Request]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.seqs:
@@ -341,6 +417,17 @@ class Engine:
                     raise LiteturboError(f"the KV cache ({self.block_manager.num_blocks} blocks) cannot hold this "
                                          f"request ({seq.num_tokens} tokens); raise max_kv_tokens")
             return []
+        try:
+            return self._run_step(sched, t0)
+        except BaseException as e:
+            for seq in sched.seqs:
+                req = self.requests.get(seq.seq_id)
+                if req is not None and not req.finished:
+                    req.error = e
+                    self._finish(req, "error")
+            raise
+
+    def _run_step(self, sched: ScheduledStep, t0: float) -> list[Request]:
         logits = self.runner.run(self._build(sched))
         touched = []
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
@@ -356,7 +443,11 @@ class Engine:
                 self.counters["last_prefill_tokens"] = req.prompt_len - req.cached_tokens
             else:
                 self.counters["decode_tokens"] += 1
-            self._append_token(req, logits[row])
+            try:
+                self._append_token(req, logits[row])
+            except Exception as e:  # this request's sampling failed: it alone ends, with the error kept
+                req.error = e
+                self._finish(req, "error")
             touched.append(req)
         self.counters["steps"] += 1
         self.counters["busy_seconds"] += time.perf_counter() - t0
@@ -419,8 +510,13 @@ class Engine:
     def generate(self, prompts, gen: GenerationConfig | None = None, **kwargs):
         """Generate completions. ``prompts``: one prompt (text or token ids) → one :class:`GenerationOutput`;
         a list of prompts → a list, all run together in the persistent batch."""
-        gen = gen or _gen_config(kwargs)
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int)))
+        gen = _gen_config(gen, kwargs)
+        if isinstance(prompts, (list, tuple)) and len(prompts) == 0:
+            return []  # no prompts, no outputs (an empty prompt inside the list is an error)
+        if not isinstance(prompts, (str, list, tuple)):
+            raise LiteturboError(f"prompts must be a str, a list of token ids, or a list of those; got "
+                                 f"{type(prompts).__name__}")
+        single = isinstance(prompts, str) or isinstance(prompts[0], int)
         batch = [prompts] if single else list(prompts)
         reqs = []
         try:
@@ -431,13 +527,16 @@ class Engine:
         finally:
             for r in reqs:
                 self.cancel(r)
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
         outs = [self.output(r) for r in reqs]
         return outs[0] if single else outs
 
     def stream(self, prompt: str | list[int], gen: GenerationConfig | None = None,
                **kwargs) -> Iterator[str | GenerationOutput]:
         """Yield text pieces, then the :class:`GenerationOutput` as the last item."""
-        req = self.add_request(prompt, gen or _gen_config(kwargs))
+        req = self.add_request(prompt, _gen_config(gen, kwargs))
         yield from self._drive(req)
 
     async def astream(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kwargs):
@@ -448,7 +547,7 @@ class Engine:
         """
         import asyncio
 
-        inner = self._drive(self.add_request(prompt, gen or _gen_config(kwargs)), every_step=True)
+        inner = self._drive(self.add_request(prompt, _gen_config(gen, kwargs)), every_step=True)
         try:
             for item in inner:
                 if item != "":
@@ -471,10 +570,34 @@ class Engine:
                 yield text
         finally:
             self.cancel(req)  # a consumer that went away frees the request's blocks at once
+        if req.error is not None:
+            raise req.error
         yield self.output(req)
 
 
-def _gen_config(kwargs: dict) -> GenerationConfig:
+def _load_session_kv(file: Path, n: int, cfg) -> dict | None:
+    """The saved K/V tensors if the file is readable and every layer holds ``[n, kv_heads, head_dim]``."""
+    from safetensors.torch import load_file
+
+    try:
+        kv = load_file(str(file))
+    except Exception:
+        return None
+    shape = (n, cfg.num_kv_heads, cfg.head_dim)
+    for i in range(cfg.num_layers):
+        for name in (f"k.{i}", f"v.{i}"):
+            t = kv.get(name)
+            if t is None or tuple(t.shape) != shape or not torch.isfinite(t).all():
+                return None
+    return kv
+
+
+def _gen_config(gen: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+    if gen is not None:
+        if kwargs:
+            raise LiteturboError(f"give generation options either as gen=GenerationConfig(...) or as keywords, "
+                                 f"not both (got gen and {sorted(kwargs)})")
+        return gen  # type checked by add_request
     try:
         return GenerationConfig(**kwargs)
     except TypeError as e:
@@ -513,7 +636,7 @@ class Session:
             raise LiteturboError(f"the message must be a str, got {type(message).__name__}")
         if not message.strip():
             raise LiteturboError("the message is empty: type some text")
-        gen = gen or _gen_config(kwargs)
+        gen = _gen_config(gen, kwargs)
         it = self._turn(message, gen, priority)
         if stream:
             return it
@@ -525,14 +648,21 @@ class Session:
                                  "stream first (or open another session)")
 
     def _turn(self, message: str, gen: GenerationConfig, priority: int) -> Iterator[str]:
-        self._check_idle()  # runs at the first next(): a stream never started holds nothing
-        messages = self.messages + [{"role": "user", "content": message}]
-        ids = self.engine.chat_template_ids(messages)
-        req = self.engine.add_request(ids, gen, priority=priority, seq=self.seq)
+        with self.engine._lock:  # runs at the first next(): a stream never started holds nothing
+            if self.closed:
+                raise LiteturboError("this session is closed; open a new one with engine.session()")
+            self._check_idle()
+            self.busy = True
+        try:
+            messages = self.messages + [{"role": "user", "content": message}]
+            ids = self.engine.chat_template_ids(messages)
+            req = self.engine.add_request(ids, gen, priority=priority, seq=self.seq)
+        except BaseException:
+            self.busy = False
+            raise
         req.keep_cache = True
         pieces: list[str] = []
         out = None
-        self.busy = True
         try:
             for item in self.engine._drive(req):
                 if isinstance(item, GenerationOutput):
@@ -541,9 +671,13 @@ class Session:
                     pieces.append(item)
                     yield item
         finally:
-            # a consumer that stops early (client gone) still leaves a consistent history
-            reply = out.text if out is not None else "".join(pieces)
-            if out is not None or pieces:
+            # a consumer that stops early (client gone) still leaves a consistent history: the partial reply
+            # is the assistant's turn, and ``last`` is its output with finish_reason "cancelled"
+            if out is None:
+                self.engine.cancel(req)
+                out = self.engine.output(req)
+            reply = out.text if out.token_ids else "".join(pieces)
+            if out.token_ids or pieces:
                 self.messages = messages + [{"role": "assistant", "content": reply}]
             self.last = out
             self.busy = False
@@ -593,12 +727,16 @@ class Session:
     def reset(self) -> None:
         """Forget the conversation (keeps the system prompt) and free its KV blocks."""
         self._check_idle()
-        self.engine.scheduler.finish(self.seq)
+        with self.engine._lock:
+            self.engine.scheduler.finish(self.seq)
         self.seq = Sequence(seq_id=next(self.engine._ids))
         self.messages = self.messages[:1] if self.system is not None else []
 
     def close(self) -> None:
-        """Free the session's KV blocks; further ``chat`` calls raise."""
-        if not self.closed:
-            self.engine.scheduler.finish(self.seq)
-        self.closed = True
+        """Free the session's KV blocks; further ``chat`` calls raise. Raises ``LiteturboError`` while a reply
+        streams (finish reading it, or close the stream, first)."""
+        self._check_idle()
+        with self.engine._lock:
+            if not self.closed:
+                self.engine.scheduler.finish(self.seq)
+            self.closed = True

@@ -170,7 +170,25 @@ class LlamaModel:
                 raise LiteturboError(f"checkpoint {path} lacks tensor {name!r}")
             return t
 
+        def check(name: str, shape: tuple, expected: tuple, fields: str) -> None:
+            if tuple(shape) != tuple(expected):
+                raise LiteturboError(f"{name} has shape {tuple(shape)} but config.json ({fields}) implies "
+                                     f"{tuple(expected)}; config.json does not belong to these weights")
+
+        h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        expected_out = {"q_proj": cfg.num_heads * hd, "k_proj": cfg.num_kv_heads * hd, "v_proj": cfg.num_kv_heads * hd,
+                        "o_proj": h, "gate_proj": inter, "up_proj": inter, "down_proj": h}
+        expected_in = {"o_proj": cfg.num_heads * hd, "down_proj": inter}
+        fields = "hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size"
+
         def linear(prefixes: list[str], bias: bool) -> Linear:
+            for p in prefixes:
+                short = p.rsplit(".", 1)[-1]
+                want = (expected_out[short], expected_in.get(short, h))
+                if p in qlinears:
+                    check(p, (qlinears[p].out_features, qlinears[p].in_features), want, fields)
+                elif f"{p}.weight" in sd:
+                    check(f"{p}.weight", sd[f"{p}.weight"].shape, want, fields)
             if all(p in qlinears for p in prefixes):
                 parts = [qlinears.pop(p) for p in prefixes]
                 try:
@@ -199,11 +217,13 @@ class LlamaModel:
             )
             model.layers.append(layer)
         model.embed = take("model.embed_tokens.weight").to(dev, dtype)
+        check("model.embed_tokens.weight", model.embed.shape, (cfg.vocab_size, h), "vocab_size, hidden_size")
         model.norm = take("model.norm.weight").to(dev, dtype)
         lm = sd.pop("lm_head.weight", None)
         if lm is None and not cfg.tie_word_embeddings:
             raise LiteturboError(f"checkpoint {path} lacks lm_head.weight and does not tie word embeddings")
         head = model.embed if lm is None else lm.to(dev, dtype)
+        check("lm_head.weight", head.shape, (cfg.vocab_size, h), "vocab_size, hidden_size")
         if lm_head_int8:
             model.lm_head = Linear(backend, backend.prepare_w8a16(head, dtype), "w8a16", head.shape[0])
         else:
