@@ -71,3 +71,19 @@ def test_smollm2_logits_match_transformers(smollm2_path):
         rel = ((got - ref).abs().max() / ref.abs().max()).item()
         assert rel <= 1e-4, (p, rel)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.slow
+def test_embedded_checkpoint_config_reads_in_transformers_4_and_5(smollm2_path):
+    """The converted folder names its architecture and states rope_theta explicitly (transformers 4.x readers
+    such as AutoAWQ do not read v5's rope_parameters), with a tokenizer class both majors know."""
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((smollm2_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["rope_theta"] == 100000.0  # SmolLM2's theta, not the 10000 default
+    tok_cfg = json.loads((smollm2_path / "tokenizer_config.json").read_text())
+    assert tok_cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert "lm_head.weight" not in load_file(str(smollm2_path / "model.safetensors"))  # tied: kept tied

