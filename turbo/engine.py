@@ -321,9 +321,11 @@ class Engine:
         if len(ids) >= self.session_len:
             if session:
                 raise LiteturboError(f"the session would reach {len(ids)} tokens but session_len is "
-                                     f"{self.session_len}; reset the session or raise session_len/max_kv_tokens")
+                                     f"{self.session_len}; reset the session, or raise session_len and the KV pool (max_kv_tokens or "
+                                     f"kv_cache_gib; in the CLI --session-len, --kv-cache-gib)")
             raise LiteturboError(f"the prompt has {len(ids)} tokens but the context holds {self.session_len}; "
-                                 f"shorten the prompt or raise session_len/max_kv_tokens")
+                                 f"shorten the prompt, or raise session_len and the KV pool (max_kv_tokens or kv_cache_gib; in "
+                                 f"the CLI --session-len, --kv-cache-gib)")
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size)]
         if bad:
             raise LiteturboError(f"token id {bad[0]} is outside the vocabulary (size {self.model.cfg.vocab_size})")
