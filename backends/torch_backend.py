@@ -27,6 +27,7 @@ class Int4PackHandle:
     ``nibbles`` uint8 ``[out, in/2]`` (byte ``j`` of a row: low nibble = code ``j``, high nibble = code
     ``j + in/2``), ``scales``/``scaled_zeros`` ``[out, in/g, 1]`` in ``dtype`` rebuild the dense weight for inputs
     of ``dequant_min_rows`` rows or more, which then go through one dense GEMM (see :func:`dequantize_nibbles`).
+    The codes are thus held twice: 1 byte per weight in all (a 16-bit weight takes 2).
     """
 
     packed: torch.Tensor
@@ -115,8 +116,8 @@ class TorchBackend(Backend):
 
     ``dequant_min_rows``: inputs with at least this many rows (prefill chunks, big decode batches) dequantize
     the int4 weight to ``dtype`` and run one dense GEMM; fewer rows use the int4pack kernel, whose cost
-    grows with every row (2 threads, 3072x576 weight: 128 rows take 3.1 ms in int4pack vs 3.3 ms dequant +
-    bf16 GEMM, 1,024 rows ~21 ms vs ~10 ms; the crossover measured 70-100 rows over SmolLM2's shapes).
+    grows with every row (2 threads, 3072x576 weight: 1,024 rows take ~21 ms in int4pack vs ~10 ms as dequant
+    + bf16 GEMM; the two cross between about 70 and 130 rows over SmolLM2's shapes, in noisy measurements).
     ``int8_tile_min_rows``: the same switch for the int8 lm_head, which is dequantized tile by tile.
 
     ``batch_invariant=True`` keeps every token's numbers independent of the step it runs in: int4pack and
