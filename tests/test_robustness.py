@@ -82,6 +82,8 @@ def test_generate_inputs(engine):
     assert engine.generate([]) == []
     with pytest.raises(LiteturboError, match="prompts must be"):
         engine.generate(5)
+    with pytest.raises(LiteturboError, match="system prompt must be a str"):
+        engine.session(system=5)
     with pytest.raises(LiteturboError, match="priority must be an integer"):
         engine.add_request("The sky is", GenerationConfig(max_new_tokens=2), priority="x")
     with pytest.raises(LiteturboError, match="outside the vocabulary"):

@@ -615,6 +615,8 @@ class Session:
     """
 
     def __init__(self, engine: Engine, system: str | None = None) -> None:
+        if system is not None and not isinstance(system, str):
+            raise LiteturboError(f"the system prompt must be a str or None, got {type(system).__name__}")
         self.engine = engine
         self.system = system
         self.messages: list[dict] = [] if system is None else [{"role": "system", "content": system}]
