@@ -292,3 +292,52 @@ def test_missing_tokenizer_files(smollm2_rtn_g64, tmp_path):
 def test_torch_generator_seed_range_is_what_we_check():
     g = torch.Generator()
     g.manual_seed(2**63 - 1)  # the largest seed GenerationConfig accepts must be usable
+
+
+@pytest.mark.slow
+def test_waiting_session_turns_do_not_deadlock_a_tiny_pool(smollm2_rtn_g64):
+    """Three sessions whose next turns are all queued while each holds its history's blocks (the pool full):
+    with nothing running, a queued turn takes another queued turn's cached history (recomputed later)
+    instead of failing. (Before the fix the first turn failed: "the KV cache (7 blocks) cannot hold ...".)"""
+    e = Engine(smollm2_rtn_g64, EngineConfig(num_blocks=7, block_size=16, batch_invariant=True))
+    sessions = [e.session() for _ in range(3)]
+    for s, q in zip(sessions, ["Name a fruit.", "Name a colour.", "Name a city."]):
+        s.chat(q, max_new_tokens=6)
+    gen = GenerationConfig(max_new_tokens=6)
+    reqs = []
+    for s in sessions:  # queue all three next turns at once, as three threads would
+        ids = e.chat_template_ids(s.messages + [{"role": "user", "content": "Why?"}])
+        r = e.add_request(ids, gen, seq=s.seq)
+        r.keep_cache = True
+        reqs.append(r)
+    assert e.block_manager.num_free == 0  # the queued turns' histories fill the pool
+    for _ in range(200):
+        if not e.has_unfinished():
+            break
+        e.step()
+    assert all(r.finish_reason in ("length", "stop") and r.error is None for r in reqs), \
+        [(r.finish_reason, r.error) for r in reqs]
+    assert not e.has_unfinished()
+
+
+@pytest.mark.slow
+def test_misc_misuse(engine, smollm2_rtn_g64, tmp_path):
+    with pytest.raises(LiteturboError, match="expected a Request"):
+        engine.cancel(12345)
+    req = engine.add_request("Hello", GenerationConfig(max_new_tokens=2))
+    with pytest.raises(LiteturboError, match="still running"):
+        engine.output(req)
+    engine.cancel(req)
+    assert engine.output(req).finish_reason == "cancelled"
+    with pytest.raises(LiteturboError, match="not valid UTF-8"):
+        engine.session().chat("Hi \udcff there")
+    assert engine.generate("Hello", priority=1, max_new_tokens=2, ignore_eos=True).token_ids
+    with pytest.warns(UserWarning, match="capped"):
+        Engine(smollm2_rtn_g64, EngineConfig(max_kv_tokens=256, session_len=100000))
+    d = tmp_path / "layers"
+    shutil.copytree(smollm2_rtn_g64, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 20
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LiteturboError, match="beyond num_hidden_layers=20"):
+        Engine(d, EngineConfig(max_kv_tokens=256))

@@ -184,7 +184,8 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
         line = sys.stdin.readline()
         if not line:
             break
-        line = line.strip()
+        # undecodable input bytes (kept as surrogates by the locale's stdin decoder) become U+FFFD
+        line = line.encode("utf-8", "surrogateescape").decode("utf-8", "replace").strip()
         if not line:
             continue
         if line.startswith("/"):

@@ -181,6 +181,11 @@ class Engine:
                                  f"kv_cache_gib / cache_max_entry_count / num_blocks / max_kv_tokens") from None
         max_ctx = min(self.model.cfg.max_position_embeddings, num_blocks * bs)
         self.session_len = min(self.config.session_len or max_ctx, max_ctx)
+        if self.config.session_len and self.config.session_len > max_ctx:
+            import warnings
+
+            warnings.warn(f"session_len={self.config.session_len} is capped to {max_ctx} tokens (the model's "
+                          f"max_position_embeddings and the KV pool of {num_blocks * bs} tokens)", stacklevel=2)
         eos = set(self.model.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -235,7 +240,13 @@ class Engine:
                     block_size=self.block_manager.block_size, kv_cache_bytes=self.runner.kv_bytes)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without special tokens added."""
+        """Token ids of ``text`` without special tokens added. Raises ``LiteturboError`` for text that is not
+        valid Unicode (e.g. undecodable bytes read with ``surrogateescape``)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise LiteturboError(f"the text holds bytes that are not valid UTF-8 (at character {e.start}); "
+                                 f"decode your input as UTF-8 (errors='replace' keeps the rest)") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def chat_template_ids(self, messages: list[dict]) -> list[int]:
@@ -377,6 +388,8 @@ class Engine:
     def cancel(self, req: Request) -> None:
         """Stop a request now and free its blocks (a session keeps its computed tokens while memory allows).
         Cancelling a finished request does nothing; a request of another engine raises ``LiteturboError``."""
+        if not isinstance(req, Request):
+            raise LiteturboError(f"expected a Request from add_request, got {type(req).__name__}")
         with self._lock:
             if req.finished:
                 return
@@ -414,10 +427,11 @@ class Engine:
             if self.scheduler.waiting:  # nothing fits even alone: the pool is too small for this request
                 seq = self.scheduler.waiting[0]
                 req = self.requests.get(seq.seq_id)
-                if req is not None:
-                    self._finish(req, "length")
-                    raise LiteturboError(f"the KV cache ({self.block_manager.num_blocks} blocks) cannot hold this "
-                                         f"request ({seq.num_tokens} tokens); raise max_kv_tokens")
+                if req is not None:  # the error is raised to the request's owner, not to whoever stepped
+                    req.error = LiteturboError(f"the KV cache ({self.block_manager.num_blocks} blocks of "
+                                               f"{self.block_manager.block_size} tokens) cannot hold this request "
+                                               f"({seq.num_tokens} tokens); raise max_kv_tokens or kv_cache_gib")
+                    self._finish(req, "error")
             return []
         try:
             return self._run_step(sched, t0)
@@ -496,20 +510,24 @@ class Engine:
             return self._finish(req, "length")
 
     def output(self, req: Request) -> GenerationOutput:
-        """The :class:`GenerationOutput` of a finished request."""
+        """The :class:`GenerationOutput` of a finished request. Raises ``LiteturboError`` while it runs."""
+        if not isinstance(req, Request):
+            raise LiteturboError(f"expected a Request from add_request, got {type(req).__name__}")
+        if not req.finished:
+            raise LiteturboError("the request is still running: step the engine until req.finished (or cancel it)")
         ids = req.output_ids
         text = self.tokenizer.decode([t for t in ids if t not in req.stop_ids], skip_special_tokens=True)
         if req.gen.stop and req.stopper.stopped:
             cuts = [text.find(s) for s in req.gen.stop if s and s in text]
             text = text[:min(cuts)] if cuts else text
         t_first = req.t_first or req.t_end or req.t_arrival
-        return GenerationOutput(text=text, token_ids=list(ids), finish_reason=req.finish_reason or "cancelled",
+        return GenerationOutput(text=text, token_ids=list(ids), finish_reason=req.finish_reason,
                                 prompt_tokens=req.prompt_len, cached_tokens=max(req.cached_tokens, 0),
                                 ttft=t_first - req.t_arrival, decode_seconds=(req.t_end or t_first) - t_first,
                                 logprobs=list(req.logprobs))
 
     # --- convenience APIs ----------------------------------------------------------------------------------
-    def generate(self, prompts, gen: GenerationConfig | None = None, **kwargs):
+    def generate(self, prompts, gen: GenerationConfig | None = None, priority: int = 0, **kwargs):
         """Generate completions. ``prompts``: one prompt (text or token ids) → one :class:`GenerationOutput`;
         a list of prompts → a list, all run together in the persistent batch."""
         gen = _gen_config(gen, kwargs)
@@ -523,9 +541,10 @@ class Engine:
         reqs = []
         try:
             for p in batch:
-                reqs.append(self.add_request(p, gen))
+                reqs.append(self.add_request(p, gen, priority=priority))
             while any(not r.finished for r in reqs):
                 self.step()
+                time.sleep(0)  # let other threads waiting on the engine lock in between steps
         finally:
             for r in reqs:
                 self.cancel(r)
@@ -564,6 +583,7 @@ class Engine:
         try:
             while not req.finished:
                 self.step()
+                time.sleep(0)  # let other threads waiting on the engine lock in between steps
                 text = req.take_text()
                 if text or every_step:
                     yield text

@@ -228,6 +228,11 @@ class LlamaModel:
             model.lm_head = Linear(backend, backend.prepare_w8a16(head, dtype), "w8a16", head.shape[0])
         else:
             model.lm_head = Linear(backend, (head, None), None, head.shape[0])
+        extra_layers = sorted({k.split(".")[2] for k in list(qlinears) + list(sd) if k.startswith("model.layers.")})
+        if extra_layers:
+            raise LiteturboError(f"the weights hold decoder layers beyond num_hidden_layers={cfg.num_layers} in "
+                                 f"config.json (e.g. layer {extra_layers[0]}); config.json does not belong to these "
+                                 f"weights")
         if qlinears:
             raise LiteturboError(f"quantized tensors outside the decoder linears are not supported: {sorted(qlinears)[:3]}")
         return model

@@ -124,11 +124,20 @@ class Scheduler:
             if victim_idle is not None:
                 self.evict(victim_idle)
                 continue
+            victim_wait = self._waiting_with_blocks(exclude=seq)
+            if victim_wait is not None:  # a session turn not admitted yet still holds its history's blocks
+                self.evict(victim_wait)
+                continue
             candidates = [s for s in self.running if s.seq_id not in protected and s is not seq]
             if not candidates:
                 return False
             self.preempt(max(candidates, key=lambda s: s.sort_key))
         return True
+
+    def _waiting_with_blocks(self, exclude: Sequence) -> Sequence | None:
+        """The least important waiting sequence (other than ``exclude``) that holds KV blocks."""
+        holders = [s for s in self.waiting if s is not exclude and s.block_table]
+        return max(holders, key=lambda s: s.sort_key) if holders else None
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and send it back to waiting (recompute later)."""
@@ -173,6 +182,10 @@ class Scheduler:
                 if not self.bm.can_allocate(seq.block_table, seq.num_computed + n):
                     # only idle caches may be given up for a new request; never running work
                     victim = next((s for s in self.idle.values() if s.block_table), None)
+                    if victim is None and not self.running and not seqs:
+                        # nothing runs that could ever free blocks: other waiting session turns give up
+                        # their cached history (recomputed when admitted) rather than deadlock
+                        victim = self._waiting_with_blocks(exclude=seq)
                     if victim is None:
                         break
                     self.evict(victim)
