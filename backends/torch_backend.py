@@ -116,9 +116,10 @@ class TorchBackend(Backend):
 
     ``dequant_min_rows``: inputs with at least this many rows (prefill chunks, big decode batches) dequantize
     the int4 weight to ``dtype`` and run one dense GEMM; fewer rows use the int4pack kernel, whose cost
-    grows with every row (2 threads, 3072x576 weight: 1,024 rows take ~21 ms in int4pack vs ~10 ms as dequant
-    + bf16 GEMM; the two cross between about 70 and 130 rows over SmolLM2's shapes, in noisy measurements).
-    ``int8_tile_min_rows``: the same switch for the int8 lm_head, which is dequantized tile by tile.
+    grows with every row (`python bench/kernels.py`, 2 threads, 3072x576 weight: 1,024 rows take ~21.6 ms in
+    int4pack vs ~9.8 ms as dequant + bf16 GEMM; over SmolLM2's shapes the two cross between 64 and 96 rows).
+    ``int8_tile_min_rows``: the same switch for the int8 lm_head, which is dequantized tile by tile (the
+    crossover lies between 8 and 12 rows in the same script).
 
     ``batch_invariant=True`` keeps every token's numbers independent of the step it runs in: int4pack and
     int8pack for any row count (both compute each row on its own) and the batched decode attention even for
@@ -269,7 +270,7 @@ def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batc
         table = torch.tensor(meta.block_tables[b][:(ctx + bs - 1) // bs], dtype=torch.long)
         slots = (table.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[:ctx]
         if t == 1:
-            dec.append((qs, slots, None))
+            dec.append((qs, slots))
             continue
         mask = None
         if t < ctx:  # query j sits at position ctx - t + j and sees keys 0 .. ctx - t + j
@@ -277,18 +278,20 @@ def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batc
             mask = torch.arange(ctx, device=device).unsqueeze(0) <= rows
         singles.append((qs, qe, slots.to(device), mask, t == ctx))
     decode = None
-    if len(dec) == 1 and not batch_invariant:  # one decode row: SDPA without a mask is the faster kernel (measured ~50 vs ~75 us)
-        qs, slots, _ = dec[0]
+    # one decode row: SDPA on its exact context, no mask (`python bench/kernels.py`: 50 vs 68 us at 64 tokens
+    # of context, but 115 vs 73 us at 192: the matmul path wins for longer chats; not re-tuned yet)
+    if len(dec) == 1 and not batch_invariant:
+        qs, slots = dec[0]
         singles.append((qs, qs + 1, slots.to(device), None, False))
     elif dec:
-        length = max(len(sl) for _, sl, _ in dec)
+        length = max(len(sl) for _, sl in dec)
         idx = torch.empty(len(dec), length, dtype=torch.long)
         pad = torch.zeros(1, len(dec), 1, length, dtype=torch.bool)  # True = padding, masked out
-        for i, (_, sl, _) in enumerate(dec):
+        for i, (_, sl) in enumerate(dec):
             idx[i, :len(sl)] = sl
             idx[i, len(sl):] = sl[-1]  # pad with one of the row's own (written, finite) slots
             pad[0, i, 0, len(sl):] = True
-        rows = torch.tensor([qs for qs, _, _ in dec], dtype=torch.long)
+        rows = torch.tensor([qs for qs, _ in dec], dtype=torch.long)
         decode = (rows.to(device), idx.to(device), pad.to(device))
     return singles, decode
 

@@ -19,6 +19,12 @@ def w4a16_checkpoint(model: str, group_size: int, given: str | None) -> tuple[st
     return str(path), tmp
 
 
+def add_batch_invariant_flag(ap) -> None:
+    """``--batch-invariant``: run turbo with ``EngineConfig(batch_invariant=True)``."""
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="run turbo with EngineConfig(batch_invariant=True): bit-exact 16-bit outputs, slower prefill")
+
+
 def text_prompts(tokenizer, n: int, length: int, offset: int = 0) -> list[list[int]]:
     """``n`` prompts of exactly ``length`` tokens cut from WikiText-2 valid."""
     import calib_data

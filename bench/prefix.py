@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from common import text_prompts, w4a16_checkpoint
+from common import add_batch_invariant_flag, text_prompts, w4a16_checkpoint
 
 
 def run(engine, prompts, gen) -> tuple[int, float, list]:
@@ -34,8 +34,7 @@ def main() -> None:
     ap.add_argument("--question-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="run turbo with EngineConfig(batch_invariant=True): bit-exact 16-bit outputs, slower prefill")
+    add_batch_invariant_flag(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

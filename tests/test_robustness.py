@@ -290,8 +290,10 @@ def test_missing_tokenizer_files(smollm2_rtn_g64, tmp_path):
 
 
 def test_torch_generator_seed_range_is_what_we_check():
+    gen = GenerationConfig(seed=2**63 - 1)  # the largest seed GenerationConfig accepts must be usable
     g = torch.Generator()
-    g.manual_seed(2**63 - 1)  # the largest seed GenerationConfig accepts must be usable
+    g.manual_seed(gen.seed)
+    assert g.initial_seed() == 2**63 - 1
 
 
 @pytest.mark.slow

@@ -171,6 +171,7 @@ class LlamaModel:
             return t
 
         def check(name: str, shape: tuple, expected: tuple, fields: str) -> None:
+            """Raise ``LiteturboError`` when a tensor's shape is not what config.json implies."""
             if tuple(shape) != tuple(expected):
                 raise LiteturboError(f"{name} has shape {tuple(shape)} but config.json ({fields}) implies "
                                      f"{tuple(expected)}; config.json does not belong to these weights")
@@ -182,6 +183,7 @@ class LlamaModel:
         fields = "hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size"
 
         def linear(prefixes: list[str], bias: bool) -> Linear:
+            """One (fused) linear from the named projections, shape-checked; W4A16 if they are quantized."""
             for p in prefixes:
                 short = p.rsplit(".", 1)[-1]
                 want = (expected_out[short], expected_in.get(short, h))
