@@ -1,6 +1,7 @@
 """Kernel backends behind one small interface, chosen through an explicit registry.
 
-``get_backend("auto" | "torch", device)`` returns a :class:`Backend`. ``backends`` imports only torch.
+``get_backend("auto" | "torch", device)`` returns a :class:`Backend`; a backend allocates the paged KV cache
+(:mod:`backends.kv_cache`: 16-bit, int8, int4) and runs the kernels over it. ``backends`` imports only torch.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Callable
 import torch
 
 from .base import Backend
+from .kv_cache import KV_CACHE_DTYPES, KVCacheSpec, KVQuantParams, PagedKVCache
 from .torch_backend import TorchBackend
 from .types import AttentionMetadata, QuantizedWeight
 
@@ -39,5 +41,5 @@ def get_backend(name: str = "auto", device: torch.device | str = "cpu", **kwargs
 
 register_backend("torch", TorchBackend)
 
-__all__ = ["Backend", "TorchBackend", "AttentionMetadata", "QuantizedWeight", "get_backend",
+__all__ = ["Backend", "TorchBackend", "KV_CACHE_DTYPES", "KVCacheSpec", "KVQuantParams", "PagedKVCache", "AttentionMetadata", "QuantizedWeight", "get_backend",
            "register_backend", "available_backends"]

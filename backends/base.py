@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .kv_cache import KVCacheSpec, KVQuantParams, PagedKVCache
 from .types import AttentionMetadata, QuantizedWeight
 
 
@@ -68,23 +69,15 @@ class Backend(ABC):
         """
 
     # --- paged KV cache -----------------------------------------------------------------------
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-        """Shape of one layer's K (and V) cache tensor. The layout belongs to the backend; everyone else
-        addresses tokens by slot (``block_id * block_size + offset``) through :meth:`write_kv`/:meth:`read_kv`.
-        Default ``[num_blocks, block_size, KVH, D]``."""
-        return (num_blocks, block_size, num_kv_heads, head_dim)
-
-    def read_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple:
-        """K and V ``[n, KVH, D]`` stored at ``slots [n]`` (int64), for the default layout."""
-        nb, bs, kvh, d = k_cache.shape
-        return k_cache.view(nb * bs, kvh, d)[slots], v_cache.view(nb * bs, kvh, d)[slots]
+    def allocate_kv_cache(self, spec: KVCacheSpec, compute_dtype: torch.dtype,
+                          params: KVQuantParams | None = None) -> PagedKVCache:
+        """The KV pool for ``spec`` on this backend's device (16-bit, int8 or int4; see :mod:`backends.kv_cache`).
+        ``params``: calibrated key parameters for a quantized cache. Raises ``ValueError`` when ``params`` do not
+        fit the spec, ``RuntimeError``/``MemoryError`` when the memory cannot be allocated."""
+        return PagedKVCache(spec, self.device, compute_dtype, params)
 
     @abstractmethod
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """Store ``k, v [T, KVH, D]`` into the caches (shape :meth:`kv_cache_shape`) at ``slot_mapping [T]``."""
-
-    @abstractmethod
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal attention of ``q [T, H, D]`` over each sequence's cached context → ``[T, H, D]``."""
+    def attention(self, q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        """Causal attention of ``q [T, H, D]`` over each sequence's context, read from ``cache`` (``layer``) after
+        this step's K/V were written → ``[T, H, D]``."""

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Backend
+from .kv_cache import PagedKVCache
 from .types import AttentionMetadata, QuantizedWeight
 
 _INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
@@ -188,43 +189,24 @@ class TorchBackend(Backend):
         return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
 
     # --- paged KV --------------------------------------------------------------------------------
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-        """Head-major ``[KVH, num_blocks, block_size, D]``: gathering a sequence's blocks yields the
-        ``[KVH, tokens, D]`` operand attention multiplies with, without a transpose copy."""
-        return (num_kv_heads, num_blocks, block_size, head_dim)
-
-    def read_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> tuple:
-        """K and V ``[n, KVH, D]`` stored at ``slots [n]``."""
-        kvh, nb, bs, d = k_cache.shape
-        return (k_cache.view(kvh, nb * bs, d).index_select(1, slots).transpose(0, 1),
-                v_cache.view(kvh, nb * bs, d).index_select(1, slots).transpose(0, 1))
-
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        """``index_copy_`` of ``k, v [T, KVH, D]`` into the head-major caches at ``slot_mapping``."""
-        kvh, nb, bs, d = k_cache.shape
-        k_cache.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
-
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, q, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """SDPA per multi-token (prefill) sequence and for a lone decode row; two or more one-token (decode)
         queries of the step together as two batched matmuls over their K/V, gathered and padded to the
         longest context (softmax in float32, padding masked): CPU SDPA takes ~10x longer for a batch of 32
-        decode rows in bf16."""
-        kvh, nb, bs, d = k_cache.shape
-        k_flat, v_flat = k_cache.view(kvh, nb * bs, d), v_cache.view(kvh, nb * bs, d)
+        decode rows in bf16. K/V come from ``cache.gather`` (dequantized there for int8/int4 caches)."""
+        kvh, d = cache.spec.num_kv_heads, cache.spec.head_dim
         plan = meta.scratch.get("torch_attn")
         if plan is None:  # gather indices and masks are the same for every layer of the step
-            plan = meta.scratch["torch_attn"] = _attention_plan(meta, bs, q.device, self.batch_invariant)
+            plan = meta.scratch["torch_attn"] = _attention_plan(meta, meta.block_size, q.device, self.batch_invariant)
         singles, decode = plan
         out = q.new_empty(q.shape) if len(singles) > 1 or decode is not None else None
         for qs, qe, slots, mask, causal in singles:
-            kb = k_flat.index_select(1, slots).unsqueeze(0)  # [1, KVH, ctx, D]
-            vb = v_flat.index_select(1, slots).unsqueeze(0)
+            kb, vb = cache.gather(layer, slots)  # [KVH, ctx, D]
             if kb.dtype != q.dtype:
                 kb, vb = kb.to(q.dtype), vb.to(q.dtype)
             qb = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(qb, kb.unsqueeze(0), vb.unsqueeze(0), attn_mask=mask,
+                                               is_causal=causal, scale=scale, enable_gqa=True)
             o = o.squeeze(0).transpose(0, 1)
             if out is None:
                 return o
@@ -232,8 +214,8 @@ class TorchBackend(Backend):
         if decode is not None:
             rows, idx, pad = decode  # idx [B, L] slots (padded with a row's own last slot), pad [1, B, 1, L]
             b, length = idx.shape
-            kb = k_flat.index_select(1, idx.view(-1)).view(kvh, b, length, d)  # [KVH, B, L, D]
-            vb = v_flat.index_select(1, idx.view(-1)).view(kvh, b, length, d)
+            kb, vb = cache.gather(layer, idx.view(-1))
+            kb, vb = kb.view(kvh, b, length, d), vb.view(kvh, b, length, d)  # [KVH, B, L, D]
             if kb.dtype != q.dtype:
                 kb, vb = kb.to(q.dtype), vb.to(q.dtype)
             h = q.shape[1]

@@ -123,16 +123,25 @@ class _Stop(Exception):
 
 
 class LazyCheckpoint:
-    """A meta-device HF model whose tensors are read from safetensors on demand (accelerate)."""
+    """A meta-device HF model whose tensors are read from safetensors on demand (accelerate).
+
+    A W4A16 source (any format :mod:`lite.formats.quantized` reads) is accepted: its decoder linears are
+    dequantized to float32 when their layer is materialized (used by ``calibrate-kv``)."""
 
     def __init__(self, path: Path, device: torch.device) -> None:
         from accelerate import init_empty_weights
         from safetensors import safe_open
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from .formats import quantization_spec
+
         self.path, self.device = path, device
+        self.qspec = quantization_spec(load_config(path))
         try:
             cfg = AutoConfig.from_pretrained(str(path))
+            if self.qspec is not None:  # built as the 16-bit model; weights come dequantized
+                cfg.quantization_config = None
+                del cfg.quantization_config
             with init_empty_weights():
                 self.model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         except Exception as e:  # transformers raises many types for malformed configs
@@ -157,11 +166,27 @@ class LazyCheckpoint:
         return self.files[self.where[name]].get_tensor(name)
 
     def materialize(self, module: torch.nn.Module, prefix: str) -> None:
-        """Load ``module``'s parameters (``prefix.name``) onto the device in float32."""
+        """Load ``module``'s parameters (``prefix.name``) onto the device in float32 (quantized linears of a
+        W4A16 source dequantized)."""
         from accelerate.utils import set_module_tensor_to_device
 
         for n, _ in list(module.named_parameters()):
-            set_module_tensor_to_device(module, n, self.device, value=self.tensor(f"{prefix}.{n}").float())
+            key = f"{prefix}.{n}"
+            if key not in self.where and self.qspec is not None and n.endswith(".weight"):
+                value = self._dequantized(key[: -len(".weight")])
+            else:
+                value = self.tensor(key).float()
+            set_module_tensor_to_device(module, n, self.device, value=value)
+
+    def _dequantized(self, prefix: str) -> torch.Tensor:
+        """float32 ``[out, in]`` weight of the quantized linear ``prefix``."""
+        from .formats import load_quantized_linears
+
+        tensors = {k: self.tensor(k) for k in self.where if k.startswith(prefix + ".") and k != f"{prefix}.bias"}
+        qws = load_quantized_linears(tensors, self.qspec)
+        if prefix not in qws:
+            raise LiteturboError(f"checkpoint {self.path} lacks tensor {prefix + '.weight'!r} (nor its quantized form)")
+        return qws[prefix].dequantize(torch.float32)
 
     def release(self, module: torch.nn.Module) -> None:
         """Drop ``module``'s weights (back to meta)."""

@@ -9,8 +9,11 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def run_turbo_logits(model, token_chunks: list[list[int]], block_size: int = 4, num_blocks: int = 64):
-    """Feed ``token_chunks`` one step each through a turbo model; return float32 logits of every token."""
+def run_turbo_logits(model, token_chunks: list[list[int]], block_size: int = 4, num_blocks: int = 64,
+                     kv_dtype: str | None = None, kv_params=None):
+    """Feed ``token_chunks`` one step each through a turbo model; return float32 logits of every token.
+    ``kv_dtype``: KV cache storage (default: the model's dtype)."""
+    from backends import KVCacheSpec
     from turbo.block_manager import BlockManager
     from turbo.engine import ModelRunner, StepInput
 
@@ -18,7 +21,10 @@ def run_turbo_logits(model, token_chunks: list[list[int]], block_size: int = 4, 
     # scatter the sequence over non-adjacent blocks to exercise the block table
     for b in list(bm.free_queue)[:3]:  # start the sequence on non-adjacent blocks
         bm.free_queue.move_to_end(b)
-    runner = ModelRunner(model, num_blocks, block_size)
+    c = model.cfg
+    kv_dtype = kv_dtype or str(model.dtype).removeprefix("torch.")
+    runner = ModelRunner(model, KVCacheSpec(kv_dtype, num_blocks, block_size, c.num_layers, c.num_kv_heads, c.head_dim),
+                         kv_params)
     table: list[int] = []
     tokens: list[int] = []
     out = []
@@ -51,3 +57,16 @@ def smollm2_rtn_g64(smollm2_path, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("rtn") / "smollm2-w4g64"
     return quantize_checkpoint(str(smollm2_path), QuantConfig(w_bits=4, w_group_size=64, work_dir=str(out)))
+
+
+def kv_dequant_ref_f64(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Float64 reference of the KV cache's per-token quantization (backends/kv_cache.py's definition: range
+    including 0, float16 scale, integer zero point), quantized and dequantized over the last dim."""
+    qmax = 2 ** bits - 1
+    xd = x.double()
+    lo = xd.amin(-1, keepdim=True).clamp(max=0)
+    hi = xd.amax(-1, keepdim=True).clamp(min=0)
+    scale = ((hi - lo) / qmax).clamp(2.0 ** -14, 65504.0).half().double()  # stored as float16
+    zero = torch.round(-lo / scale).clamp(0, qmax)
+    code = torch.clamp(torch.round(xd / scale) + zero, 0, qmax)
+    return (code - zero) * scale

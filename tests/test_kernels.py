@@ -10,9 +10,12 @@ import math
 import pytest
 import torch
 
+from backends.kv_cache import KVCacheSpec
 from backends.torch_backend import DequantHandle, Int4PackHandle, TorchBackend, _int8_tiled_mm
 from backends.types import AttentionMetadata, QuantizedWeight
 from lite.rtn import quantize_rtn
+
+from conftest import kv_dequant_ref_f64
 
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
@@ -259,14 +262,22 @@ def _slots(table, start, end):
     return [table[i // BS] * BS + i % BS for i in range(start, end)]
 
 
-def _build_step(seqs, dtype, seed):
-    """seqs: list of (cached, new, block_table). Writes the cached part as an earlier step would have,
-    then this step's K/V through write_kv, and returns everything needed to check attention."""
-    gen = torch.Generator().manual_seed(seed)
+def _new_cache(dtype, kv_dtype=None, layers=2, params=None):
+    """A 2-layer cache; 16-bit caches are poisoned with NaN so that an unread-slot gather shows up."""
     be = TorchBackend("cpu")
-    shape = be.kv_cache_shape(NUM_BLOCKS, BS, KVH, HD)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)  # NaN poison: unread slots
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    kv_dtype = kv_dtype or str(dtype).removeprefix("torch.")
+    cache = be.allocate_kv_cache(KVCacheSpec(kv_dtype, NUM_BLOCKS, BS, layers, KVH, HD), dtype, params)
+    if not cache.spec.quantized:
+        for t in cache.k + cache.v:
+            t.fill_(float("nan"))
+    return be, cache
+
+
+def _build_step(seqs, dtype, seed, kv_dtype=None):
+    """seqs: list of (cached, new, block_table). Writes the cached part as an earlier step would have,
+    then this step's K/V through the cache, and returns everything needed to check attention."""
+    gen = torch.Generator().manual_seed(seed)
+    be, cache = _new_cache(dtype, kv_dtype)
     full_k, full_v, qs_list = [], [], []
     # earlier step(s): the already-cached tokens
     for cached, new, table in seqs:
@@ -277,8 +288,7 @@ def _build_step(seqs, dtype, seed):
         full_k.append(kk)
         full_v.append(vv)
         if cached:
-            be.write_kv(kk[:cached], vv[:cached], k_cache, v_cache,
-                        torch.tensor(_slots(table, 0, cached), dtype=torch.int64))
+            cache.write(0, kk[:cached], vv[:cached], torch.tensor(_slots(table, 0, cached), dtype=torch.int64))
     # this step: all sequences' new tokens as one flat batch
     query_start, slot_mapping, k_new, v_new = [0], [], [], []
     for (cached, new, table), kk, vv in zip(seqs, full_k, full_v):
@@ -288,7 +298,7 @@ def _build_step(seqs, dtype, seed):
         v_new.append(vv[cached:])
         qs_list.append(torch.randn(new, H, HD, generator=gen).to(dtype))
     slot_mapping = torch.tensor(slot_mapping, dtype=torch.int64)
-    be.write_kv(torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, slot_mapping)
+    cache.write(0, torch.cat(k_new), torch.cat(v_new), slot_mapping)
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
         query_start=query_start,
@@ -296,31 +306,35 @@ def _build_step(seqs, dtype, seed):
         block_tables=[list(t) for _, _, t in seqs],
         block_size=BS,
     )
-    return be, k_cache, v_cache, torch.cat(qs_list), meta, full_k, full_v
+    return be, cache, torch.cat(qs_list), meta, full_k, full_v
 
 
 def test_kv_cache_layout_is_head_major_blocks():
-    be = TorchBackend("cpu")
-    assert be.kv_cache_shape(NUM_BLOCKS, BS, KVH, HD) == (KVH, NUM_BLOCKS, BS, HD)
+    _, cache = _new_cache(torch.float32)
+    assert tuple(cache.k[0].shape) == (KVH, NUM_BLOCKS * BS, HD)
+    _, cache4 = _new_cache(torch.float32, "int4")
+    assert tuple(cache4.k[0].shape) == (KVH, NUM_BLOCKS * BS, HD // 2) and cache4.k[0].dtype == torch.uint8
+    assert tuple(cache4.k_scale[0].shape) == (KVH, NUM_BLOCKS * BS)
 
 
 def test_write_kv_places_tokens_in_slots():
-    be = TorchBackend("cpu")
-    k_cache = torch.zeros(be.kv_cache_shape(NUM_BLOCKS, BS, KVH, HD))
-    v_cache = torch.zeros(be.kv_cache_shape(NUM_BLOCKS, BS, KVH, HD))
+    _, cache = _new_cache(torch.float32)
+    for t in cache.k + cache.v:
+        t.zero_()
     k = torch.randn(5, KVH, HD)
     v = torch.randn(5, KVH, HD)
     table = [9, 2]
     slots = torch.tensor(_slots(table, 1, 6))  # tokens 1..5: block 9 offsets 1..3, block 2 offsets 0..1
-    be.write_kv(k, v, k_cache, v_cache, slots)
-    # head-major [KVH, block, offset, D], indexed by hand
+    cache.write(1, k, v, slots)
+    # head-major [KVH, block * BS + offset, D], indexed by hand
     for j, (blk, off) in enumerate([(9, 1), (9, 2), (9, 3), (2, 0), (2, 1)]):
         for h in range(KVH):
-            assert torch.equal(k_cache[h, blk, off], k[j, h]) and torch.equal(v_cache[h, blk, off], v[j, h])
-    rk, rv = be.read_kv(k_cache, v_cache, slots)
+            assert torch.equal(cache.k[1][h, blk * BS + off], k[j, h]) and torch.equal(cache.v[1][h, blk * BS + off], v[j, h])
+    rk, rv = cache.read(1, slots)
     assert torch.equal(rk, k) and torch.equal(rv, v)
-    # nothing else was written
-    assert torch.count_nonzero(k_cache) == torch.count_nonzero(k) and torch.count_nonzero(v_cache) == torch.count_nonzero(v)
+    # nothing else was written (layer 0 untouched)
+    assert torch.count_nonzero(cache.k[1]) == torch.count_nonzero(k) and torch.count_nonzero(cache.v[1]) == torch.count_nonzero(v)
+    assert torch.count_nonzero(cache.k[0]) == 0
 
 
 # block tables: non-contiguous and shuffled; unused blocks stay NaN so a wrong gather shows up
@@ -329,10 +343,7 @@ SEQ_CHUNK = (8, 5, [7, 0, 14, 5])            # chunked prefill: 5 new tokens ove
 SEQ_PREFILL = (0, 6, [12, 1])                # full prefill of 6 tokens
 SEQ_DECODE_FIRST = (0, 1, [4])               # a 1-token prompt: t == ctx == 1
 SEQ_DECODE_LONG = (13, 1, [8, 10, 13, 15])   # a longer decode: shorter decode rows are padded to its 14
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("seqs", [
+SEQ_CASES = [
     [SEQ_DECODE, SEQ_CHUNK],
     [SEQ_CHUNK, SEQ_DECODE, SEQ_PREFILL],
     [SEQ_PREFILL, SEQ_DECODE_FIRST],
@@ -341,12 +352,17 @@ SEQ_DECODE_LONG = (13, 1, [8, 10, 13, 15])   # a longer decode: shorter decode r
     [SEQ_DECODE],
     [SEQ_CHUNK],
     [SEQ_PREFILL],
-], ids=["decode+chunk", "chunk+decode+prefill", "prefill+first", "three_decodes", "first+chunk+long",
-        "decode_only", "chunk_only", "prefill_only"])
+]
+SEQ_IDS = ["decode+chunk", "chunk+decode+prefill", "prefill+first", "three_decodes", "first+chunk+long",
+           "decode_only", "chunk_only", "prefill_only"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("seqs", SEQ_CASES, ids=SEQ_IDS)
 def test_paged_attention_matches_naive_f64(seqs, dtype):
-    be, k_cache, v_cache, q, meta, full_k, full_v = _build_step(seqs, dtype, seed=len(seqs) * 100 + 7)
+    be, cache, q, meta, full_k, full_v = _build_step(seqs, dtype, seed=len(seqs) * 100 + 7)
     scale = 1.0 / math.sqrt(HD)
-    out = be.attention(q, k_cache, v_cache, meta, scale)
+    out = be.attention(q, cache, 0, meta, scale)
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.isfinite(out).all()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -356,24 +372,38 @@ def test_paged_attention_matches_naive_f64(seqs, dtype):
         err = (out[qs:qe].double() - ref).abs().max().item()
         assert err <= tol, f"seq {b}: max err {err:.3e}"
 
-    # a second layer reuses meta (and its scratch) with other caches/queries and must still be right
+    # a second layer reuses meta (and its scratch) with other K/V and queries and must still be right
     gen = torch.Generator().manual_seed(999)
-    k2 = torch.full_like(k_cache, float("nan"))
-    v2 = torch.full_like(v_cache, float("nan"))
     full_k2, full_v2 = [], []
     for cached, new, table in seqs:
         ctx = cached + new
         kk = torch.randn(ctx, KVH, HD, generator=gen).to(dtype)
         vv = torch.randn(ctx, KVH, HD, generator=gen).to(dtype)
-        be.write_kv(kk, vv, k2, v2, torch.tensor(_slots(table, 0, ctx), dtype=torch.int64))
+        cache.write(1, kk, vv, torch.tensor(_slots(table, 0, ctx), dtype=torch.int64))
         full_k2.append(kk)
         full_v2.append(vv)
     q2 = torch.randn(q.shape, generator=gen).to(dtype)
-    out2 = be.attention(q2, k2, v2, meta, scale)
+    out2 = be.attention(q2, cache, 1, meta, scale)
     for b, (cached, new, _) in enumerate(seqs):
         qs, qe = meta.query_start[b], meta.query_start[b + 1]
         ref = _naive_attention_f64(q2[qs:qe], full_k2[b], full_v2[b], cached + new, scale)
         assert (out2[qs:qe].double() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("seqs", SEQ_CASES[:5], ids=SEQ_IDS[:5])
+def test_paged_attention_over_quantized_cache_matches_f64_of_dequantized_kv(seqs, kv_dtype):
+    """Attention over an int8/int4 cache equals float64 attention over the float64-dequantized K/V of the
+    reference quantizer (what the cache must hold), to float32 rounding."""
+    be, cache, q, meta, full_k, full_v = _build_step(seqs, torch.float32, seed=31, kv_dtype=kv_dtype)
+    bits = 8 if kv_dtype == "int8" else 4
+    out = be.attention(q, cache, 0, meta, 1.0 / math.sqrt(HD))
+    assert torch.isfinite(out).all()
+    for b, (cached, new, _) in enumerate(seqs):
+        qs, qe = meta.query_start[b], meta.query_start[b + 1]
+        kq, vq = kv_dequant_ref_f64(full_k[b], bits), kv_dequant_ref_f64(full_v[b], bits)
+        ref = _naive_attention_f64(q[qs:qe], kq, vq, cached + new, 1.0 / math.sqrt(HD))
+        assert (out[qs:qe].double() - ref).abs().max().item() <= 1e-5
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The ``liteturbo`` command line: ``liteturbo lite rtn`` and ``liteturbo chat``."""
+"""The ``liteturbo`` command line: ``liteturbo lite rtn|auto-awq|gptq|calibrate-kv|eval-ppl`` and ``liteturbo chat``."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +9,30 @@ import click
 from lite.formats import LiteturboError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _kv_options(fn):
+    """KV cache options shared by chat and eval-ppl (and later serve)."""
+    opts = [
+        click.option("--kv-cache-dtype", default="auto", show_default=True,
+                     help="KV cache storage: auto (the compute dtype), bfloat16, float16, float32, int8, int4."),
+        click.option("--quant-policy", default=None, type=int,
+                     help="LMDeploy's spelling of the KV dtype: 0 = 16-bit, 8 = int8, 4 = int4."),
+        click.option("--no-kv-calibration", is_flag=True,
+                     help="Ignore calibrated KV parameters in MODEL (online int8/int4)."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def kv_summary(engine) -> str:
+    """One line about the KV pool: dtype, bytes per token, tokens held."""
+    st = engine.stats()
+    cal = ", calibrated keys" if st["kv_calibrated"] else ""
+    return (f"KV cache {st['kv_cache_dtype']}{cal}: {st['kv_bytes_per_token']} bytes/token, pool "
+            f"{st['blocks_total']} blocks x {st['block_size']} = {st['kv_pool_tokens']} tokens "
+            f"({st['kv_cache_bytes'] / 2**20:.1f} MiB)")
 
 
 def friendly_errors(fn):
@@ -54,10 +78,15 @@ def rtn(model, w_bits, w_group_size, w_sym, work_dir, overwrite) -> None:
 @click.option("--seqlen", default=2048, show_default=True, help="Tokens per window.")
 @click.option("--max-windows", default=None, type=int, help="Score only the first N windows.")
 @click.option("--dtype", default="auto", show_default=True)
-@click.option("--json", "as_json", is_flag=True, help='Print {"ppl", "tokens", "seconds"} as JSON.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"ppl", "tokens", "seconds", "kv_cache_dtype"} as JSON.')
+@_kv_options
 @friendly_errors
-def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json) -> None:
-    """Perplexity of MODEL on a bundled dataset's test text (WikiText-2: rows joined with "\\n\\n")."""
+def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, kv_cache_dtype, quant_policy,
+             no_kv_calibration) -> None:
+    """Perplexity of MODEL on a bundled dataset's test text (WikiText-2: rows joined with "\\n\\n").
+
+    Windows are scored in chunks through the engine's paged KV cache, so with --kv-cache-dtype int8/int4 every
+    token attends to the earlier tokens' keys and values as the quantized cache returns them."""
     import json as _json
 
     import calib_data
@@ -70,13 +99,18 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json) -> None:
         raise LiteturboError(f"--max-windows must be at least 1, got {max_windows} (leave it out to score all)")
     if dataset != "wikitext2":
         raise LiteturboError(f"--dataset {dataset!r}: only wikitext2 has a test split for perplexity")
-    engine = Engine(model, EngineConfig(dtype=dtype, max_kv_tokens=seqlen, lm_head="16bit"))
+    engine = Engine(model, EngineConfig(dtype=dtype, max_kv_tokens=seqlen, lm_head="16bit",
+                                        kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
+                                        kv_calibration=not no_kv_calibration))
     r = perplexity(engine, calib_data.wikitext2_test_text(), seqlen, max_windows, progress=not as_json)
+    st = engine.stats()
     if as_json:
-        click.echo(_json.dumps({"ppl": r["ppl"], "tokens": r["tokens"], "seconds": r["seconds"]}))
+        click.echo(_json.dumps({"ppl": r["ppl"], "tokens": r["tokens"], "seconds": r["seconds"],
+                                "kv_cache_dtype": st["kv_cache_dtype"], "kv_calibrated": st["kv_calibrated"]}))
     else:
-        click.echo(f"{model}: WikiText-2 test PPL {r['ppl']:.3f} over {r['windows']} windows of {seqlen} tokens "
-                   f"({r['seconds']:.0f} s)")
+        cal = ", calibrated keys" if st["kv_calibrated"] else ""
+        click.echo(f"{model}: WikiText-2 test PPL {r['ppl']:.3f} over {r['windows']} windows of {seqlen} tokens, "
+                   f"KV cache {st['kv_cache_dtype']}{cal} ({r['seconds']:.0f} s)")
 
 
 def _calib_options(fn):
@@ -147,6 +181,34 @@ def gptq(model, w_bits, w_group_size, w_sym, calib_dataset, calib_samples, calib
 lite.add_command(gptq, "auto-gptq")
 
 
+@lite.command("calibrate-kv")
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@click.option("--calib-dataset", default="c4", show_default=True,
+              help="Bundled name (c4, wikitext2, zh) or a .txt/.jsonl/.parquet file or datasets folder.")
+@click.option("--calib-samples", default=128, show_default=True, help="Calibration windows.")
+@click.option("--calib-seqlen", default=512, show_default=True, help="Tokens per calibration window.")
+@click.option("--seed", default=42, show_default=True, help="Seed of the calibration sample.")
+@click.option("--kv-bits", default=4, show_default=True, type=click.Choice(["4", "8"]),
+              help="Cache bits the search targets (the parameters serve int8 and int4).")
+@click.option("--search-windows", default=8, show_default=True, help="Windows the per-layer search scores.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
+@click.option("--work-dir", default="./work_dir", show_default=True, help="Output checkpoint folder.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at --work-dir.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
+@friendly_errors
+def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bits, search_windows, device, work_dir,
+                 overwrite, resume) -> None:
+    """Calibrated int8/int4 KV cache: per-layer key shift and per-channel key scales (docs/kv-cache.md).
+
+    MODEL may be 16-bit or W4A16; the output is MODEL's files plus the KV parameters, usable as MODEL by every
+    command (the engine applies them with --kv-cache-dtype int8/int4)."""
+    from lite.kv_calibration import KVCalibConfig, calibrate_kv as run
+
+    cfg = KVCalibConfig(calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
+                        seed=seed, kv_bits=int(kv_bits), search_windows=search_windows, device=device)
+    run(model, cfg, work_dir, overwrite=overwrite, resume=resume)
+
+
 @main.command()
 @click.argument("model", required=False, default=DEFAULT_MODEL)
 @click.option("--max-new-tokens", default=256, show_default=True)
@@ -161,22 +223,23 @@ lite.add_command(gptq, "auto-gptq")
 @click.option("--kv-cache-gib", default=None, type=float, help="KV pool size in GiB.")
 @click.option("--cache-max-entry-count", default=None, type=float,
               help="KV pool as a fraction of the memory left after the weights (0-1].")
+@_kv_options
 @friendly_errors
 def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, backend, session_len, kv_cache_gib,
-         cache_max_entry_count) -> None:
+         cache_max_entry_count, kv_cache_dtype, quant_policy, no_kv_calibration) -> None:
     """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too."""
     from turbo import Engine, EngineConfig, GenerationConfig
 
     engine = Engine(model, EngineConfig(dtype=dtype, backend=backend, session_len=session_len,
-                                        kv_cache_gib=kv_cache_gib, cache_max_entry_count=cache_max_entry_count))
+                                        kv_cache_gib=kv_cache_gib, cache_max_entry_count=cache_max_entry_count,
+                                        kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
+                                        kv_calibration=not no_kv_calibration))
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed)
     session = engine.session(system)
     interactive = sys.stdin.isatty()
-    st = engine.stats()
-    click.echo(f"[liteturbo] {engine.path} ({engine.model.quant_method or 'float'}, {engine.dtype}); KV pool "
-               f"{st['blocks_total']} blocks x {st['block_size']} tokens = {st['kv_cache_bytes'] / 2**20:.0f} MiB; "
-               f"/reset clears the history, /exit quits", err=True)
+    click.echo(f"[liteturbo] {engine.path} ({engine.model.quant_method or 'float'}, {engine.dtype}); "
+               f"{kv_summary(engine)}; /reset clears the history, /exit quits", err=True)
     total_tokens, total_s = 0, 0.0
     while True:
         if interactive:

@@ -34,6 +34,11 @@ def _coerce(obj, name: str, kind: str, optional: bool = False) -> None:
             raise LiteturboError(f"{name} must be a string, got {v!r}")
 
 
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "int8", "int4")
+_KV_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+QUANT_POLICY = {0: "auto", 8: "int8", 4: "int4"}  # LMDeploy's --quant-policy values
+
+
 @dataclass
 class EngineConfig:
     """Engine options.
@@ -49,6 +54,12 @@ class EngineConfig:
     batch_invariant: kernels chosen per token, never by the step's size, so that in 16-bit a request's
     greedy output does not depend on what it was batched with or on prefix-cache hits (bit-exact); costs
     about 2x prefill speed on CPU. Off, outputs can differ in near-ties after rounding (float32: rarely).
+    kv_cache_dtype: storage of the KV cache, one of :data:`KV_CACHE_DTYPE_CHOICES`: ``"auto"`` = the compute
+    dtype; ``"int8"``/``"int4"`` quantize each token's keys and values per KV head (asymmetric, scales beside
+    each block; see :mod:`backends.kv_cache`). quant_policy: LMDeploy's spelling of the same choice (0 = 16-bit,
+    8 = int8, 4 = int4); giving both with different meanings is refused. kv_calibration: use the calibrated key
+    parameters a checkpoint carries (``liteturbo lite calibrate-kv``) when the cache is int8/int4; ``False``
+    keeps the online mode.
     """
 
     backend: str = "auto"
@@ -65,18 +76,36 @@ class EngineConfig:
     lm_head: str = "auto"
     enable_prefix_caching: bool = True
     batch_invariant: bool = False
+    kv_cache_dtype: str = "auto"
+    quant_policy: int | None = None
+    kv_calibration: bool = True
 
     def __post_init__(self) -> None:
         for name in ("backend", "device", "dtype", "lm_head"):
             _coerce(self, name, "str")
         for name in ("block_size", "max_kv_tokens", "max_num_batched_tokens", "max_batch_size"):
             _coerce(self, name, "int")
-        for name in ("num_blocks", "session_len"):
+        for name in ("num_blocks", "session_len", "quant_policy"):
             _coerce(self, name, "int", optional=True)
         for name in ("kv_cache_gib", "cache_max_entry_count"):
             _coerce(self, name, "float", optional=True)
-        for name in ("enable_prefix_caching", "batch_invariant"):
+        for name in ("enable_prefix_caching", "batch_invariant", "kv_calibration"):
             _coerce(self, name, "bool")
+        _coerce(self, "kv_cache_dtype", "str")
+        self.kv_cache_dtype = _KV_ALIASES.get(self.kv_cache_dtype.lower(), self.kv_cache_dtype.lower())
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise LiteturboError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got "
+                                 f"{self.kv_cache_dtype!r}")
+        if self.quant_policy is not None:
+            if self.quant_policy not in QUANT_POLICY:
+                raise LiteturboError(f"quant_policy must be 0 (16-bit KV), 8 (int8) or 4 (int4), got {self.quant_policy}")
+            asked = QUANT_POLICY[self.quant_policy]
+            quantized = self.kv_cache_dtype in ("int8", "int4")
+            if self.kv_cache_dtype != "auto" and (asked != self.kv_cache_dtype if asked != "auto" else quantized):
+                raise LiteturboError(f"quant_policy={self.quant_policy} and kv_cache_dtype={self.kv_cache_dtype!r} "
+                                     f"disagree; give one of them")
+            if self.kv_cache_dtype == "auto":
+                self.kv_cache_dtype = asked
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise LiteturboError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_kv_tokens", "max_num_batched_tokens", "max_batch_size"):
@@ -106,6 +135,12 @@ class EngineConfig:
             bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
             return torch.bfloat16 if bf16 else torch.float32
         return torch.float16
+
+    def kv_storage_dtype(self) -> str:
+        """The resolved KV cache storage dtype name (``"auto"`` → the compute dtype)."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.torch_dtype()]
 
 
 @dataclass

@@ -15,9 +15,9 @@ from typing import Iterator
 
 import torch
 
-from backends import get_backend
+from backends import KVCacheSpec, KVQuantParams, get_backend
 from backends.types import AttentionMetadata
-from lite.formats import LiteturboError, load_config, resolve_model
+from lite.formats import LiteturboError, load_config, load_kv_params, resolve_model
 
 from .block_manager import BlockManager
 from .config import EngineConfig, GenerationConfig
@@ -69,16 +69,16 @@ class GenerationOutput:
 
 
 class ModelRunner:
-    """Owns the model weights and the KV cache tensors; runs :class:`StepInput` batches."""
+    """Owns the model weights and the KV cache object; runs :class:`StepInput` batches."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
-        cfg = model.cfg
-        self.model, self.block_size = model, block_size
-        shape = model.backend.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        dev, dt = model.backend.device, model.dtype
-        self.kv_caches = [(torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
-                          for _ in range(cfg.num_layers)]
-        self.kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+    def __init__(self, model: LlamaModel, spec: KVCacheSpec, kv_params: KVQuantParams | None = None) -> None:
+        self.model, self.block_size = model, spec.block_size
+        self.kv_cache = model.backend.allocate_kv_cache(spec, model.dtype, kv_params)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the KV pool holds (values and scales)."""
+        return self.kv_cache.nbytes
 
     def run(self, step: StepInput) -> torch.Tensor:
         """float32 logits ``[len(step.logits_rows), vocab]``."""
@@ -91,7 +91,7 @@ class ModelRunner:
         return self.model.forward(
             torch.tensor(step.token_ids, dtype=torch.long, device=dev),
             torch.tensor(step.positions, dtype=torch.long, device=dev),
-            self.kv_caches, meta, torch.tensor(step.logits_rows, dtype=torch.long, device=dev),
+            self.kv_cache, meta, torch.tensor(step.logits_rows, dtype=torch.long, device=dev),
         )
 
 
@@ -171,11 +171,13 @@ class Engine:
                                  f"folder needs the tokenizer files of the original model (tokenizer.json, "
                                  f"tokenizer_config.json); copy them from it") from None
         bs = self.config.block_size
+        self.kv_cache_dtype = self.config.kv_storage_dtype()
+        self.kv_params = self._kv_params(raw_cfg)
         num_blocks = self._pool_blocks()
         self.block_manager = BlockManager(num_blocks, bs, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_batched_tokens)
         try:
-            self.runner = ModelRunner(self.model, num_blocks, bs)
+            self.runner = ModelRunner(self.model, self._kv_spec(num_blocks), self.kv_params)
         except (RuntimeError, MemoryError) as e:
             raise LiteturboError(f"cannot allocate the KV cache of {num_blocks} blocks x {bs} tokens ({e}); lower "
                                  f"kv_cache_gib / cache_max_entry_count / num_blocks / max_kv_tokens") from None
@@ -198,12 +200,36 @@ class Engine:
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "last_prefill_tokens": 0,
                          "generated_tokens": 0, "busy_seconds": 0.0}
 
+    def _kv_params(self, raw_cfg: dict) -> KVQuantParams | None:
+        """Calibrated key parameters of the checkpoint, when the cache is int8/int4 and they are not turned off.
+        Raises ``LiteturboError`` for a damaged file or one made for another model shape."""
+        if self.kv_cache_dtype not in ("int8", "int4") or not self.config.kv_calibration:
+            return None
+        params = load_kv_params(self.path, raw_cfg)
+        if params is not None:
+            m = self.model.cfg
+            bad = params.mismatch(m.num_layers, m.num_kv_heads, m.head_dim)
+            if bad:
+                raise LiteturboError(f"the KV parameter file of {self.path} was made for another model ({bad}); "
+                                     f"run `liteturbo lite calibrate-kv` on this model, or pass kv_calibration=False "
+                                     f"(--no-kv-calibration)")
+        return params
+
+    def _kv_spec(self, num_blocks: int) -> KVCacheSpec:
+        m = self.model.cfg
+        try:
+            return KVCacheSpec(self.kv_cache_dtype, num_blocks, self.config.block_size, m.num_layers,
+                               m.num_kv_heads, m.head_dim)
+        except ValueError as e:
+            raise LiteturboError(str(e)) from None
+
     def _pool_blocks(self) -> int:
-        """KV blocks to allocate, from the first pool-size option that is set (see :class:`EngineConfig`).
-        Raises ``LiteturboError`` when the pool would not fit in the device's free memory."""
-        cfg, m = self.config, self.model.cfg
+        """KV blocks to allocate, from the first pool-size option that is set (see :class:`EngineConfig`), counting
+        the real bytes of a block in the chosen KV dtype (scales included). Raises ``LiteturboError`` when the
+        pool would not fit in the device's free memory."""
+        cfg = self.config
         bs = cfg.block_size
-        block_bytes = 2 * m.num_layers * bs * m.num_kv_heads * m.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        block_bytes = self._kv_spec(1).bytes_per_block()
         free = self._free_memory()
         if cfg.num_blocks is not None:
             n, what = cfg.num_blocks, f"num_blocks={cfg.num_blocks}"
@@ -231,13 +257,18 @@ class Engine:
 
     # --- info ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters: running/waiting requests, tokens prefilled/decoded, prefix-cache hits, blocks, tokens/s."""
+        """Counters: running/waiting requests, tokens prefilled/decoded, prefix-cache hits, blocks, tokens/s, and the
+        KV pool: ``kv_cache_dtype``, ``kv_calibrated``, ``kv_bytes_per_token`` (all layers, K and V, scales
+        included), ``kv_pool_tokens`` (tokens the pool holds), ``kv_cache_bytes``."""
         c = dict(self.counters)
         c["generation_tokens_per_s"] = c["generated_tokens"] / c["busy_seconds"] if c["busy_seconds"] else 0.0
         return dict(c, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     idle_sessions=len(self.scheduler.idle), cache_hit_tokens=self.block_manager.hit_tokens,
                     blocks_total=self.block_manager.num_blocks, blocks_free=self.block_manager.num_free,
-                    block_size=self.block_manager.block_size, kv_cache_bytes=self.runner.kv_bytes)
+                    block_size=self.block_manager.block_size, kv_cache_bytes=self.runner.kv_bytes,
+                    kv_cache_dtype=self.kv_cache_dtype, kv_calibrated=self.runner.kv_cache.calibrated,
+                    kv_bytes_per_token=self.runner.kv_cache.spec.bytes_per_token(),
+                    kv_pool_tokens=self.block_manager.num_blocks * self.block_manager.block_size)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens added. Raises ``LiteturboError`` for text that is not
@@ -307,7 +338,16 @@ class Engine:
             return s  # no (usable) saved KV: the next turn recomputes the history
         if not (path / "kv.safetensors").is_file() or meta.get("model_fingerprint") != self.fingerprint():
             return s
-        kv = _load_session_kv(path / "kv.safetensors", n, self.model.cfg)
+        cache = self.runner.kv_cache
+        # sessions saved before the KV cache had a dtype of its own stored it in the compute dtype
+        saved_as = meta.get("kv_storage", str(self.dtype).removeprefix("torch."))
+        if saved_as != cache.storage_key():
+            import warnings
+
+            warnings.warn(f"the session's KV cache was saved as {saved_as!r} but this engine's cache is "
+                          f"{cache.storage_key()!r}; its {n} tokens are recomputed on the next turn", stacklevel=2)
+            return s
+        kv = _load_session_kv(path / "kv.safetensors")
         if kv is None:
             return s  # damaged or foreign KV file: recomputing is always correct
         with self._lock:
@@ -318,8 +358,11 @@ class Engine:
                 return s  # no room now: the next turn recomputes
             slots = torch.tensor(self.block_manager.slots(s.seq.block_table, 0, n), dtype=torch.long,
                                  device=self.backend.device)
-            for i, (k, v) in enumerate(self.runner.kv_caches):
-                self.backend.write_kv(kv[f"k.{i}"].to(k.device), kv[f"v.{i}"].to(v.device), k, v, slots)
+            try:
+                cache.load(kv, slots)  # validates every tensor before writing any
+            except ValueError:
+                self.block_manager.free(s.seq.block_table)
+                return s  # damaged or foreign KV tensors: the next turn recomputes
             s.seq.num_computed = n
             self.block_manager.register_full_blocks(s.seq.token_ids, s.seq.block_table, n)
             self.scheduler.finish(s.seq, keep_cache=True)
@@ -597,21 +640,14 @@ class Engine:
         yield self.output(req)
 
 
-def _load_session_kv(file: Path, n: int, cfg) -> dict | None:
-    """The saved K/V tensors if the file is readable and every layer holds ``[n, kv_heads, head_dim]``."""
+def _load_session_kv(file: Path) -> dict | None:
+    """The saved KV tensors, or ``None`` when the file is unreadable (shapes are checked by the cache)."""
     from safetensors.torch import load_file
 
     try:
-        kv = load_file(str(file))
+        return load_file(str(file))
     except Exception:
         return None
-    shape = (n, cfg.num_kv_heads, cfg.head_dim)
-    for i in range(cfg.num_layers):
-        for name in (f"k.{i}", f"v.{i}"):
-            t = kv.get(name)
-            if t is None or tuple(t.shape) != shape or not torch.isfinite(t).all():
-                return None
-    return kv
 
 
 def _gen_config(gen: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
@@ -709,9 +745,10 @@ class Session:
     def save(self, path: str | Path, include_kv: bool = False) -> Path:
         """Write the session (messages, token history, optionally its KV) to folder ``path``, atomically.
 
-        ``include_kv`` stores the cached K/V of the computed tokens (``kv.safetensors``, per layer
-        ``[tokens, kv_heads, head_dim]``) so a restore needs no recompute; it is only reused by the same
-        model weights and dtype. Raises ``LiteturboError`` while a reply streams.
+        ``include_kv`` stores the cached K/V of the computed tokens in the cache's own form (``kv.safetensors``,
+        per layer ``[tokens, kv_heads, ...]``: 16-bit values, or int8/int4 codes with their scales) so a restore
+        needs no recompute; it is only reused by the same model weights, compute dtype and KV storage
+        (an engine with another KV dtype recomputes the history, with a warning). Raises ``LiteturboError`` while a reply streams.
         """
         import json
         import os
@@ -729,16 +766,13 @@ class Session:
         try:
             n = self.seq.num_computed if include_kv else 0
             meta = {"format": "liteturbo-session/1", "system": self.system, "messages": self.messages,
-                    "token_ids": self.seq.token_ids, "kv_tokens": n, "model_fingerprint": self.engine.fingerprint()}
+                    "token_ids": self.seq.token_ids, "kv_tokens": n, "model_fingerprint": self.engine.fingerprint(),
+                    "kv_storage": self.engine.runner.kv_cache.storage_key()}
             (tmp / "session.json").write_text(json.dumps(meta, ensure_ascii=False, indent=1))
             if n:
                 slots = torch.tensor(self.engine.block_manager.slots(self.seq.block_table, 0, n), dtype=torch.long)
-                tensors = {}
-                for i, (k, v) in enumerate(self.engine.runner.kv_caches):
-                    kk, vv = self.engine.backend.read_kv(k, v, slots.to(k.device))
-                    tensors[f"k.{i}"] = kk.cpu().contiguous()  # [tokens, KVH, D], whatever the cache layout
-                    tensors[f"v.{i}"] = vv.cpu().contiguous()
-                save_file(tensors, str(tmp / "kv.safetensors"))
+                # the stored form ([tokens, KVH, ...] per layer: 16-bit values, or int8/int4 codes and scales)
+                save_file(self.engine.runner.kv_cache.export(slots), str(tmp / "kv.safetensors"))
             os.chmod(tmp, 0o755)
             if path.exists():
                 shutil.rmtree(path)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from backends import Backend, QuantizedWeight
+from backends import Backend, PagedKVCache, QuantizedWeight
 from backends.types import AttentionMetadata
 from lite.formats import (LiteturboError, arch_spec, load_config, load_quantized_linears, load_state_dict,
                           quantization_spec)
@@ -132,9 +132,9 @@ class Layer:
 class LlamaModel:
     """Llama-family causal LM over a flat batch of tokens.
 
-    ``forward(input_ids [T], positions [T], kv_caches, meta, logits_rows)`` → float32 logits
-    ``[len(logits_rows), vocab]``. ``kv_caches[i] = (k_cache, v_cache)`` of shape
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``forward(input_ids [T], positions [T], kv_cache, meta, logits_rows)`` → float32 logits
+    ``[len(logits_rows), vocab]``. ``kv_cache`` is the backend's :class:`~backends.kv_cache.PagedKVCache`: each
+    layer writes its post-rotary keys and its values there and attention reads them back from it.
     """
 
     def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, quant_method: str | None) -> None:
@@ -241,7 +241,7 @@ class LlamaModel:
 
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; see the class docstring for shapes. Raises ``LiteturboError`` past the context."""
         cfg, be = self.cfg, self.backend
@@ -254,7 +254,7 @@ class LlamaModel:
         h = self.embed[input_ids]
         cos = self.cos_sin[0][positions].unsqueeze(1).to(self.dtype)  # [T, 1, D]
         sin = self.cos_sin[1][positions].unsqueeze(1).to(self.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, layer in enumerate(self.layers):
             x = be.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
             q = qkv[:, :q_size].view(t, nh, hd)
@@ -264,8 +264,8 @@ class LlamaModel:
                 q = be.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = be.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q, k = be.rotary(q, k, cos, sin)
-            be.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            a = be.attention(q, k_cache, v_cache, meta, self.scale)
+            kv_cache.write(i, k, v, meta.slot_mapping)
+            a = be.attention(q, kv_cache, i, meta, self.scale)
             h = h + layer.o(a.reshape(t, q_size))
             x = be.rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             gu = layer.gate_up(x)

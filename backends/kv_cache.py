@@ -1,0 +1,326 @@
+"""The paged KV cache as an object: 16-bit, or int8/int4 quantized per token and per KV head.
+
+A backend allocates it from a :class:`KVCacheSpec` (:meth:`backends.base.Backend.allocate_kv_cache`); it owns the
+value tensors and their scales, knows its exact bytes per block, and is the only reader and writer of K/V:
+the model writes each step's keys and values through :meth:`PagedKVCache.write`, attention reads them back
+through :meth:`PagedKVCache.gather`, session save/restore goes through :meth:`PagedKVCache.export` /
+:meth:`PagedKVCache.load`. Tokens are addressed by slot (``block_id * block_size + offset``).
+
+Quantized storage (the *online* mode; KIVI, Liu et al. 2024, Sec. 3 and LMDeploy's ``quant_policy``): each token's
+key (and value) vector of one KV head, ``x [D]``, is quantized asymmetrically with an integer zero point, the same
+definition the W4A16 weights use::
+
+    lo = min(min(x), 0); hi = max(max(x), 0); scale = (hi - lo) / (2**bits - 1)   (stored as float16)
+    zero = round(-lo / scale)                      (uint8, in [0, 2**bits - 1])
+    code = clamp(round(x / scale) + zero, 0, 2**bits - 1);  x ≈ (code - zero) * scale
+
+int4 packs two codes per byte: byte ``j`` holds channel ``j`` in its low nibble and channel ``j + D/2`` in its
+high nibble. Per token and head the scales cost 3 bytes (float16 scale + uint8 zero), so with ``D = 64`` a
+token-head takes 67 bytes in int8 and 35 in int4 against 128 in bf16.
+
+*Calibrated* keys (:class:`KVQuantParams`, written by ``liteturbo lite calibrate-kv``): keys have outlier
+channels (KIVI Sec. 3; KVQuant, Hooper et al. 2024, Sec. 3.1), so before the per-token quantization each
+post-rotary key is shifted and scaled per channel, ``k' = (k - shift) / scale``. Reading multiplies ``scale``
+back. The shift is *not* added back for attention: ``q·(k - shift) = q·k - q·shift`` changes every score of
+a query by the same amount, which the softmax ignores, so attention is exact without it (and 16-bit rounding
+of a large shift never touches the scores). Applied after the rotary embedding, the transform needs no
+property of RoPE; its scales are shared by each rotary pair ``(j, j + D/2)`` so that they hold at positions
+longer than the calibration text (see :mod:`lite.kv_calibration`).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+KV_CACHE_DTYPES = ("bfloat16", "float16", "float32", "int8", "int4")
+_FLOAT_KV = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_BITS = {"int8": 8, "int4": 4}
+# bytes of quantization parameters per token and KV head: float16 scale + uint8 zero point
+PARAM_BYTES = 3
+_FP16_MIN_NORMAL, _FP16_MAX = 2.0 ** -14, 65504.0
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What to allocate: storage ``dtype`` (one of :data:`KV_CACHE_DTYPES`), ``num_blocks`` blocks of ``block_size``
+    tokens, for ``num_layers`` layers of ``num_kv_heads`` heads of ``head_dim`` channels.
+
+    Raises ``ValueError`` for an unknown dtype, non-positive sizes, or int4 with an odd ``head_dim``.
+    """
+
+    dtype: str
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {self.dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+        for name in ("num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVCacheSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype == "int4" and self.head_dim % 2:
+            raise ValueError(f"an int4 KV cache packs two channels per byte and needs an even head_dim, "
+                             f"got {self.head_dim}")
+
+    @property
+    def quantized(self) -> bool:
+        """True for int8 / int4."""
+        return self.dtype in _BITS
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored value (16/32 for float caches)."""
+        return _BITS.get(self.dtype) or torch.finfo(_FLOAT_KV[self.dtype]).bits
+
+    def bytes_per_token_head(self) -> int:
+        """Bytes of one token's key *or* value of one KV head, scales included."""
+        if self.quantized:
+            return self.head_dim * self.bits // 8 + PARAM_BYTES
+        return self.head_dim * self.bits // 8
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes over all layers, keys and values, scales included."""
+        return 2 * self.num_layers * self.num_kv_heads * self.bytes_per_token_head()
+
+    def bytes_per_block(self) -> int:
+        """Bytes of one block over all layers (the unit the pool is sized in)."""
+        return self.block_size * self.bytes_per_token()
+
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.num_blocks * self.bytes_per_block()
+
+
+@dataclass
+class KVQuantParams:
+    """Offline (calibrated) key parameters, float32 ``[num_layers, num_kv_heads, head_dim]`` each.
+
+    ``k_shift`` is subtracted from every post-rotary key and ``k_scale`` (> 0) divides it before the per-token
+    quantization. Raises ``ValueError`` for mismatched shapes, non-finite values or non-positive scales.
+    """
+
+    k_shift: torch.Tensor
+    k_scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.k_shift = self.k_shift.detach().float().cpu().contiguous()
+        self.k_scale = self.k_scale.detach().float().cpu().contiguous()
+        if self.k_shift.dim() != 3 or self.k_shift.shape != self.k_scale.shape:
+            raise ValueError(f"k_shift and k_scale must both be [layers, kv_heads, head_dim], got "
+                             f"{tuple(self.k_shift.shape)} and {tuple(self.k_scale.shape)}")
+        if not (torch.isfinite(self.k_shift).all() and torch.isfinite(self.k_scale).all()):
+            raise ValueError("k_shift / k_scale hold NaN or inf")
+        if not (self.k_scale > 0).all():
+            raise ValueError("k_scale must be > 0 everywhere")
+
+    def mismatch(self, num_layers: int, num_kv_heads: int, head_dim: int) -> str | None:
+        """``None`` when the parameters fit a model of this shape, else what differs (for an error message)."""
+        got = tuple(self.k_shift.shape)
+        diffs = [f"{name} {g} != {w}" for name, g, w in zip(("layers", "kv heads", "head_dim"), got,
+                                                              (num_layers, num_kv_heads, head_dim)) if g != w]
+        return ", ".join(diffs) or None
+
+    def digest(self) -> str:
+        """Short hash identifying these parameters (saved KV is reused only under the same ones)."""
+        h = hashlib.sha256(self.k_shift.numpy().tobytes())
+        h.update(self.k_scale.numpy().tobytes())
+        return h.hexdigest()[:12]
+
+
+# --- the quantization definition (also the reference the tests check) ------------------------------------
+def quantize_per_token(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric per-vector quantization over the last dim (see the module docstring).
+
+    ``x [..., D]`` (any float dtype; computed in float32) → ``codes`` uint8 ``[..., D]`` in ``[0, 2**bits)``,
+    ``scale`` float16 ``[...]``, ``zero`` uint8 ``[...]``. The range always includes 0, so constant and all-zero
+    vectors are exact (no NaN); ``scale`` is clamped to float16's normal range.
+    """
+    qmax = (1 << bits) - 1
+    xf = x.float()
+    lo = xf.amin(-1).clamp(max=0.0)
+    hi = xf.amax(-1).clamp(min=0.0)
+    scale = ((hi - lo) / qmax).clamp(_FP16_MIN_NORMAL, _FP16_MAX).to(torch.float16)
+    s = scale.float()  # quantize with the scale as stored, so dequantizing reproduces the rounding grid
+    zero = torch.round(-lo / s).clamp(0, qmax)
+    codes = torch.round(xf / s.unsqueeze(-1) + zero.unsqueeze(-1)).clamp(0, qmax).to(torch.uint8)
+    return codes, scale, zero.to(torch.uint8)
+
+
+def dequantize_per_token(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """float32 ``(codes - zero) * scale`` (``codes [..., D]``, ``scale``/``zero [...]``)."""
+    return (codes.float() - zero.float().unsqueeze(-1)) * scale.float().unsqueeze(-1)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., D]`` codes in ``[0, 16)`` → ``[..., D/2]``: low nibble channel ``j``, high nibble ``j + D/2``."""
+    half = codes.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`."""
+    return torch.cat([packed & 15, packed >> 4], dim=-1)
+
+
+class PagedKVCache:
+    """The KV pool of one engine: per layer, keys and values (and their scales) for every slot.
+
+    Layout (private to this class and its backend): head-major ``[KVH, num_blocks * block_size, W]`` with
+    ``W = head_dim`` (16-bit, int8) or ``head_dim / 2`` (int4, packed); scales and zero points
+    ``[KVH, num_blocks * block_size]``. Gathering a sequence's slots yields the ``[KVH, tokens, D]`` operand
+    attention multiplies with, without a transpose copy.
+
+    ``compute_dtype``: the dtype :meth:`gather` returns (the model's activations). ``params``: calibrated key
+    parameters (quantized dtypes only). Raises ``ValueError`` when ``params`` do not fit the spec, and
+    ``RuntimeError``/``MemoryError`` when the pool cannot be allocated.
+    """
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str, compute_dtype: torch.dtype,
+                 params: KVQuantParams | None = None) -> None:
+        self.spec, self.device, self.compute_dtype = spec, torch.device(device), compute_dtype
+        if params is not None:
+            if not spec.quantized:
+                raise ValueError("calibrated KV parameters apply to int8/int4 caches only")
+            bad = params.mismatch(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+            if bad:
+                raise ValueError(f"the KV parameters do not fit this model ({bad})")
+        self.params = params
+        n = spec.num_blocks * spec.block_size
+        kvh, d = spec.num_kv_heads, spec.head_dim
+        if spec.quantized:
+            width = d // 2 if spec.dtype == "int4" else d
+            store, dt = (kvh, n, width), torch.uint8
+        else:
+            store, dt = (kvh, n, d), _FLOAT_KV[spec.dtype]
+        self.k = [torch.zeros(store, dtype=dt, device=self.device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(store, dtype=dt, device=self.device) for _ in range(spec.num_layers)]
+        if spec.quantized:
+            # a never-written slot dequantizes to 0 (scale 0 x (code 0 - zero 0)), never NaN
+            def scales():
+                return [torch.zeros((kvh, n), dtype=torch.float16, device=self.device) for _ in range(spec.num_layers)]
+
+            def zeros():
+                return [torch.zeros((kvh, n), dtype=torch.uint8, device=self.device) for _ in range(spec.num_layers)]
+            self.k_scale, self.k_zero, self.v_scale, self.v_zero = scales(), zeros(), scales(), zeros()
+            if params is not None:
+                # [L, KVH, 1, D] so that they broadcast over [KVH, tokens, D]
+                self._shift = params.k_shift.to(self.device).unsqueeze(2)
+                self._cscale = params.k_scale.to(self.device).unsqueeze(2)
+
+    # --- facts ---------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually allocated (equals ``spec.total_bytes()``)."""
+        tensors = self.k + self.v
+        if self.spec.quantized:
+            tensors = tensors + self.k_scale + self.k_zero + self.v_scale + self.v_zero
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether calibrated key parameters are in use."""
+        return self.params is not None
+
+    def storage_key(self) -> str:
+        """Identifies the stored form: dtype, and the calibration digest when calibrated. Saved KV loads into
+        a cache only when the keys are equal."""
+        return self.spec.dtype + (f"+kcal:{self.params.digest()}" if self.params is not None else "")
+
+    # --- write / read ----------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store ``k, v [T, KVH, D]`` (any float dtype) of ``layer`` at ``slots [T]`` (int64), quantizing if the
+        cache is int8/int4 (per token and head; calibrated keys shifted and scaled first)."""
+        kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, T, D]
+        if not self.spec.quantized:
+            self.k[layer].index_copy_(1, slots, kt.to(self.k[layer].dtype))
+            self.v[layer].index_copy_(1, slots, vt.to(self.v[layer].dtype))
+            return
+        if self.params is not None:
+            kt = (kt.float() - self._shift[layer]) / self._cscale[layer]
+        for x, store, sc, zp in ((kt, self.k, self.k_scale, self.k_zero), (vt, self.v, self.v_scale, self.v_zero)):
+            codes, scale, zero = quantize_per_token(x, self.spec.bits)
+            if self.spec.dtype == "int4":
+                codes = pack_int4(codes)
+            store[layer].index_copy_(1, slots, codes)
+            sc[layer].index_copy_(1, slots, scale)
+            zp[layer].index_copy_(1, slots, zero)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots [n]`` (int64) as ``[KVH, n, D]`` in ``compute_dtype``, for attention.
+
+        Calibrated keys come back *without* their shift (a per-head constant that the softmax ignores: see the
+        module docstring); everything else is the stored value, dequantized in float32 then cast.
+        """
+        if not self.spec.quantized:
+            k, v = self.k[layer].index_select(1, slots), self.v[layer].index_select(1, slots)
+            if k.dtype != self.compute_dtype:
+                k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
+            return k, v
+        k = self._dequant(self.k[layer], self.k_scale[layer], self.k_zero[layer], slots)
+        v = self._dequant(self.v[layer], self.v_scale[layer], self.v_zero[layer], slots)
+        if self.params is not None:
+            k = k.mul_(self._cscale[layer])
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+    def _dequant(self, store, scale, zero, slots) -> torch.Tensor:
+        codes = store.index_select(1, slots)
+        if self.spec.dtype == "int4":
+            codes = unpack_int4(codes)
+        return dequantize_per_token(codes, scale.index_select(1, slots), zero.index_select(1, slots))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values as the cache holds them, ``[n, KVH, D]`` float32, calibrated shift added back
+        (for inspection and tests; attention uses :meth:`gather`)."""
+        k, v = self.gather_float32(layer, slots)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def gather_float32(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`gather` but float32 and with the calibrated shift added back: ``[KVH, n, D]``."""
+        if not self.spec.quantized:
+            return self.k[layer].index_select(1, slots).float(), self.v[layer].index_select(1, slots).float()
+        k = self._dequant(self.k[layer], self.k_scale[layer], self.k_zero[layer], slots)
+        v = self._dequant(self.v[layer], self.v_scale[layer], self.v_zero[layer], slots)
+        if self.params is not None:
+            k = k * self._cscale[layer] + self._shift[layer]
+        return k, v
+
+    # --- save / restore in the stored form ----------------------------------------------------------------
+    def _tensors(self, layer: int) -> dict[str, torch.Tensor]:
+        out = {"k": self.k[layer], "v": self.v[layer]}
+        if self.spec.quantized:
+            out.update(k_scale=self.k_scale[layer], k_zero=self.k_zero[layer], v_scale=self.v_scale[layer],
+                       v_zero=self.v_zero[layer])
+        return out
+
+    def export(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The stored form of ``slots [n]`` for every layer, on CPU: ``"{name}.{layer}"`` → ``[n, KVH, ...]``
+        (``name`` in k, v and, when quantized, k_scale, k_zero, v_scale, v_zero)."""
+        slots = slots.to(self.device)
+        out = {}
+        for layer in range(self.spec.num_layers):
+            for name, t in self._tensors(layer).items():
+                out[f"{name}.{layer}"] = t.index_select(1, slots).transpose(0, 1).cpu().contiguous()
+        return out
+
+    def load(self, tensors: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
+        """Write what :meth:`export` returned (from a cache with the same :meth:`storage_key` and model shape)
+        into ``slots [n]``. Raises ``ValueError`` naming the first tensor that is missing or has the wrong
+        shape or dtype; nothing is written then."""
+        slots = slots.to(self.device)
+        n = slots.shape[0]
+        for layer in range(self.spec.num_layers):  # check everything before writing anything
+            for name, t in self._tensors(layer).items():
+                got = tensors.get(f"{name}.{layer}")
+                want = (n,) + (t.shape[0],) + tuple(t.shape[2:])
+                if got is None or tuple(got.shape) != want or got.dtype != t.dtype:
+                    raise ValueError(f"saved KV tensor {name}.{layer} is missing or not {t.dtype} of shape {want}")
+                if got.is_floating_point() and not torch.isfinite(got).all():
+                    raise ValueError(f"saved KV tensor {name}.{layer} holds NaN or inf")
+        for layer in range(self.spec.num_layers):
+            for name, t in self._tensors(layer).items():
+                t.index_copy_(1, slots, tensors[f"{name}.{layer}"].to(self.device).transpose(0, 1))

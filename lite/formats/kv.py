@@ -1,0 +1,72 @@
+"""On-disk form of calibrated KV-cache parameters (written by ``liteturbo lite calibrate-kv``).
+
+A checkpoint folder carries them as a safetensors file referenced from ``config.json``::
+
+    "liteturbo_kv_cache": {"format": "liteturbo-kv/1", "file": "kv_cache_params.safetensors",
+                           "key_transform": "shift+channel-scale", "num_layers": L, "num_kv_heads": H, "head_dim": D}
+
+The file holds ``k_shift`` and ``k_scale``, float32 ``[L, H, D]`` (see :class:`backends.kv_cache.KVQuantParams`
+for their meaning). Other tools ignore the unknown config field; liteturbo's engine applies the parameters when
+an int8/int4 KV cache is asked for.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from backends.kv_cache import KVQuantParams
+
+from .errors import LiteturboError
+
+KV_CONFIG_FIELD = "liteturbo_kv_cache"
+KV_FORMAT = "liteturbo-kv/1"
+KV_PARAMS_FILE = "kv_cache_params.safetensors"
+
+
+def kv_config_block(params: KVQuantParams, **extra) -> dict:
+    """The ``config.json`` entry that points at the parameter file (``extra``: provenance fields)."""
+    layers, heads, dim = params.k_shift.shape
+    return {"format": KV_FORMAT, "file": KV_PARAMS_FILE, "key_transform": "shift+channel-scale",
+            "num_layers": layers, "num_kv_heads": heads, "head_dim": dim, **extra}
+
+
+def save_kv_params(folder: Path, params: KVQuantParams) -> Path:
+    """Write the parameter file into ``folder`` (which the caller renames into place atomically)."""
+    from safetensors.torch import save_file
+
+    out = Path(folder) / KV_PARAMS_FILE
+    save_file({"k_shift": params.k_shift.contiguous(), "k_scale": params.k_scale.contiguous()}, str(out),
+              metadata={"format": KV_FORMAT})
+    return out
+
+
+def load_kv_params(folder: Path, config: dict) -> KVQuantParams | None:
+    """The calibrated parameters a checkpoint references, or ``None`` when ``config.json`` names none.
+
+    Raises ``LiteturboError`` naming the problem and the fix when the entry or the file is damaged.
+    """
+    entry = config.get(KV_CONFIG_FIELD)
+    if entry is None:
+        return None
+    fix = "run `liteturbo lite calibrate-kv` again on the source model, or pass kv_calibration=False " \
+          "(--no-kv-calibration) to use the online int8/int4 cache"
+    if not isinstance(entry, dict) or entry.get("format") != KV_FORMAT or not isinstance(entry.get("file"), str):
+        raise LiteturboError(f"{Path(folder) / 'config.json'}: {KV_CONFIG_FIELD!r} must be an object with "
+                             f"format {KV_FORMAT!r} and a 'file'; {fix}")
+    path = Path(folder) / entry["file"]
+    if not path.is_file():
+        raise LiteturboError(f"the KV parameter file {path} named in config.json is missing; {fix}")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LiteturboError(f"cannot read the KV parameter file {path} ({e}); it is damaged: {fix}") from None
+    if "k_shift" not in t or "k_scale" not in t:
+        raise LiteturboError(f"the KV parameter file {path} lacks k_shift/k_scale; {fix}")
+    try:
+        return KVQuantParams(t["k_shift"].to(torch.float32), t["k_scale"].to(torch.float32))
+    except ValueError as e:
+        raise LiteturboError(f"the KV parameter file {path} is invalid ({e}); {fix}") from None

@@ -1,0 +1,300 @@
+"""Calibrated KV-cache quantization: per-layer key shift and per-channel key scales, searched offline.
+
+Keys have outlier channels (KIVI, Liu et al. 2024, Sec. 3; KVQuant, Hooper et al. 2024, Sec. 3.1): a few channels
+carry most of a key's range, so a per-token int4 grid spends its 16 levels on them and flattens the rest. The
+cache (:mod:`backends.kv_cache`) therefore stores ``k' = (k - shift) / scale`` per channel, quantized per token,
+and multiplies ``scale`` back when reading. Both act on post-rotary keys, as the cache stores them:
+
+- ``shift``: the mean post-rotary key of each head over the calibration text. Subtracting any constant from the
+  keys leaves attention unchanged (``q·(k - c)`` moves every score of a query by ``q·c``; the softmax ignores
+  it), so the shift costs nothing in accuracy and removes the channels' constant offsets (the slowly rotating
+  rotary pairs carry them almost unchanged to every position).
+- ``scale``: ``m ** alpha`` per rotary pair ``(j, j + D/2)``, with ``m`` the largest pair norm
+  ``sqrt(k_j² + k_{j+D/2}²)`` of the shifted keys. The pair norm does not depend on the position (the rotation
+  keeps it), so one scale for both channels of a pair holds at positions beyond the calibration windows.
+  ``alpha`` (SmoothQuant's migration strength, Xiao et al. 2023, Sec. 4) moves range from the outlier channels
+  into the query side: ``q·k = (q ⊙ scale)·(k / scale)``, and the query stays 16-bit.
+
+Per layer the search (:func:`search_key_transform`) picks ``alpha`` on a grid and whether to shift, minimising the
+relative error of the attention output on calibration windows,
+``Σ ||softmax(Q K̂ᵀ/√d) V − softmax(Q Kᵀ/√d) V||² / Σ ||softmax(Q Kᵀ/√d) V||²`` with ``K̂`` the keys after the
+transform, per-token quantization and the inverse transform; ``alpha = 0`` without shift is the online mode, so
+the calibrated choice is never worse than online on the calibration text.
+
+:func:`calibrate_kv` runs the calibration text through the model layer by layer (the pipeline of
+:mod:`lite.pipeline`: a meta-device skeleton, one layer materialized at a time, 16-bit or W4A16 sources,
+resumable per layer) and writes a complete checkpoint: the source's files hard-linked (copied across file
+systems), ``config.json`` with the ``liteturbo_kv_cache`` entry, the parameter file, and provenance in
+``liteturbo_kv_calibration.json``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from backends.kv_cache import KVQuantParams, dequantize_per_token, quantize_per_token
+
+from .formats import (KV_CONFIG_FIELD, KV_PARAMS_FILE, LiteturboError, arch_spec, atomic_output_dir,
+                      check_output_dir, kv_config_block, load_config, resolve_model, save_kv_params, write_json)
+from .formats.checkpoint import weight_files
+
+
+@dataclass
+class KVCalibConfig:
+    """Options of ``calibrate-kv`` (validated on construction; hashed for ``--resume``).
+
+    calib_*: calibration data (see :mod:`lite.calibration`). kv_bits: the cache bits the search targets (4: the
+    mode that needs it; the same parameters also serve int8). n_grid: alpha grid points in [0, 1].
+    search_windows: calibration windows the attention-error search runs on (statistics use all of them).
+    device: cpu | cuda | auto.
+    """
+
+    calib_dataset: str = "c4"
+    calib_samples: int = 128
+    calib_seqlen: int = 512
+    seed: int = 42
+    kv_bits: int = 4
+    n_grid: int = 11
+    search_windows: int = 8
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.calib_samples <= 0 or self.calib_seqlen <= 1:
+            raise LiteturboError("--calib-samples must be positive and --calib-seqlen at least 2")
+        if self.kv_bits not in (4, 8):
+            raise LiteturboError(f"--kv-bits must be 4 or 8, got {self.kv_bits}")
+        if self.n_grid < 2 or self.search_windows < 1:
+            raise LiteturboError("n_grid must be >= 2 and search_windows >= 1")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise LiteturboError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+
+    def torch_device(self) -> torch.device:
+        """The compute device (``auto`` = cuda when available)."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise LiteturboError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+        return torch.device(self.device)
+
+
+@dataclass
+class KeyTransform:
+    """One layer's result: ``shift``/``scale`` float32 ``[KVH, D]``, the chosen ``alpha`` and shift, and the
+    search losses (relative attention-output error) of the choice and of the online mode."""
+
+    shift: torch.Tensor
+    scale: torch.Tensor
+    alpha: float
+    use_shift: bool
+    loss: float
+    online_loss: float
+
+
+# --- the algorithm (pure tensor functions) ----------------------------------------------------------------
+def pair_absmax(k: torch.Tensor) -> torch.Tensor:
+    """Largest rotary-pair norm per head and channel: ``k [N, KVH, D]`` → ``[KVH, D]`` (channels ``j`` and
+    ``j + D/2`` share the value ``max_n sqrt(k_j² + k_{j+D/2}²)``)."""
+    half = k.shape[-1] // 2
+    norm = torch.sqrt(k[..., :half].square() + k[..., half:].square()).amax(0)
+    return torch.cat([norm, norm], dim=-1)
+
+
+def fake_quantize_keys(k: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """What attention reads back from the cache for keys ``k [N, KVH, D]``: transform, per-token quantization,
+    inverse scale (the shift stays subtracted; attention does not see it). float32."""
+    codes, s, z = quantize_per_token((k.float() - shift) / scale, bits)
+    return dequantize_per_token(codes, s, z) * scale
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one window: q ``[T, H, D]``, k/v ``[T, KVH, D]`` → ``[H, T, D]`` (float32)."""
+    return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                          v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)[0]
+
+
+def search_key_transform(keys: torch.Tensor, windows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                         bits: int = 4, n_grid: int = 11) -> KeyTransform:
+    """Choose one layer's key shift and scales (see the module docstring for the objective).
+
+    keys: every calibration token's post-rotary key ``[N, KVH, D]`` (statistics). windows: ``(q [T, H, D],
+    k [T, KVH, D], v [T, KVH, D])`` of a few calibration windows, post-rotary, positions from 0 (the search).
+    """
+    keys = keys.float()
+    kvh, d = keys.shape[1], keys.shape[2]
+    mean = keys.mean(0)
+    refs = [_attend(q, k, v) for q, k, v in windows]
+    denom = sum(float(r.square().sum()) for r in refs) or 1.0
+
+    def loss(shift: torch.Tensor, scale: torch.Tensor) -> float:
+        err = 0.0
+        for (q, k, v), ref in zip(windows, refs):
+            err += float((_attend(q, fake_quantize_keys(k, shift, scale, bits), v) - ref).square().sum())
+        return err / denom
+
+    zero, ones = torch.zeros(kvh, d), torch.ones(kvh, d)
+    online = loss(zero, ones)
+    best = KeyTransform(zero, ones, 0.0, False, online, online)
+    for use_shift in (False, True):
+        shift = mean if use_shift else zero
+        m = pair_absmax(keys - shift)
+        m = torch.maximum(m, m.amax(-1, keepdim=True) * 1e-4).clamp(min=1e-8)  # dead channels: no huge 1/scale
+        for i in range(n_grid):
+            alpha = i / (n_grid - 1)
+            if alpha == 0 and not use_shift:
+                continue  # the online mode, scored above
+            scale = m.pow(alpha)
+            scale = scale / scale.amax(-1, keepdim=True)  # per head, the largest scale is 1
+            val = loss(shift, scale)
+            if val < best.loss:
+                best = KeyTransform(shift.clone(), scale, alpha, use_shift, val, online)
+    return best
+
+
+# --- driving it through a model ----------------------------------------------------------------------------
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def layer_qkv(layer, hidden: torch.Tensor, kw: dict, qk_norm: bool) -> tuple[torch.Tensor, ...]:
+    """Post-rotary q ``[T, H, D]``, k ``[T, KVH, D]`` and v of one sample at one HF decoder layer, as the engine
+    computes them (input norm, projections, Qwen3's per-head q/k norm, rotate-half RoPE with the layer's
+    ``position_embeddings``)."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    b, t, _ = x.shape
+    hd = attn.head_dim
+    q = attn.q_proj(x).view(b, t, -1, hd)
+    k = attn.k_proj(x).view(b, t, -1, hd)
+    v = attn.v_proj(x).view(b, t, -1, hd)
+    if qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = kw["position_embeddings"]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q[0].float(), k[0].float(), v[0].float()
+
+
+def _fingerprint(cfg: KVCalibConfig, source: Path) -> str:
+    files = [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in weight_files(source)]
+    blob = json.dumps({"cfg": asdict(cfg), "src": str(source.resolve()), "files": files}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite: bool = False, resume: bool = False,
+                 stop_after_layers: int | None = None) -> Path:
+    """Calibrate the key transform of every layer of ``model`` (16-bit or W4A16) and write the checkpoint
+    ``work_dir`` (see the module docstring); returns its path.
+
+    Validates everything before any work. Finished layers are kept in ``<work_dir>.partial`` so that
+    ``resume=True`` continues an interrupted run (with the same options and source). ``stop_after_layers``
+    (testing) raises ``KeyboardInterrupt`` after that many layers, as a Ctrl-C would. The output folder appears
+    only when complete. Raises ``LiteturboError`` for bad input.
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from .calibration import calibration_samples
+    from .pipeline import LazyCheckpoint, _run_layer, peak_memory_gib
+
+    t0 = time.perf_counter()
+    src = resolve_model(model)
+    config = load_config(src)
+    spec = arch_spec(config)
+    out = check_output_dir(Path(work_dir), overwrite, source=src)
+    device = cfg.torch_device()
+    lazy = LazyCheckpoint(src, device)
+    n_layers = len(lazy.layers)
+
+    partial = out.parent / f"{out.name}.partial"
+    fp = _fingerprint(cfg, src)
+    state_file = partial / "state.json"
+    if partial.exists():
+        state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+        if resume and state.get("fingerprint") != fp:
+            raise LiteturboError(f"{partial} was made with different options or source weights; rerun without "
+                                 f"--resume to start over")
+        if not resume:
+            shutil.rmtree(partial)
+    elif resume:
+        print(f"[liteturbo] nothing to resume in {partial}; starting from layer 0", file=sys.stderr)
+    partial.mkdir(parents=True, exist_ok=True)
+    write_json(state_file, {"fingerprint": fp, "config": asdict(cfg), "source": str(src)})
+
+    tok = AutoTokenizer.from_pretrained(str(src))
+    samples = calibration_samples(tok, cfg.calib_dataset, cfg.calib_samples, cfg.calib_seqlen, cfg.seed)
+    inps, kws = lazy.capture_inputs(samples)
+    n_tok = sum(x.shape[1] for x in inps)
+    shifts, scales, report, reused = [], [], [], 0
+    bar = tqdm(range(n_layers), desc=f"calibrate-kv int{cfg.kv_bits} ({n_tok} calib tokens)", unit="layer")
+    for i in bar:
+        layer = lazy.layers[i]
+        lazy.materialize(layer, f"model.layers.{i}")
+        f = partial / f"kv_layer_{i:04d}.safetensors"
+        if f.is_file():
+            t = load_file(str(f))
+            info = json.loads((partial / f"kv_layer_{i:04d}.json").read_text())
+            reused += 1
+        else:
+            keys, windows = [], []
+            with torch.no_grad():
+                for j, (h, kw) in enumerate(zip(inps, kws)):
+                    q, k, v = layer_qkv(layer, h, kw, spec.qk_norm)
+                    keys.append(k.cpu())
+                    if j < cfg.search_windows:
+                        windows.append((q, k, v))
+                best = search_key_transform(torch.cat(keys, 0).to(device), windows, cfg.kv_bits, cfg.n_grid)
+            t = {"k_shift": best.shift.cpu().contiguous(), "k_scale": best.scale.cpu().contiguous()}
+            info = {"alpha": best.alpha, "shift": best.use_shift, "loss": best.loss, "online_loss": best.online_loss}
+            tmp = f.with_suffix(".tmp")
+            save_file(t, str(tmp))
+            write_json(partial / f"kv_layer_{i:04d}.json", info)
+            os.replace(tmp, f)
+            del keys, windows
+        shifts.append(t["k_shift"])
+        scales.append(t["k_scale"])
+        report.append(dict(layer=i, **info))
+        if i + 1 < n_layers:
+            inps = _run_layer(layer, inps, kws)
+        lazy.release(layer)
+        bar.set_postfix(alpha=f"{info['alpha']:.1f}", err=f"{info['loss']:.2e}/{info['online_loss']:.2e}")
+        if stop_after_layers is not None and i + 1 - reused >= stop_after_layers:
+            raise KeyboardInterrupt(f"stopped after {i + 1} layers (test hook)")
+
+    params = KVQuantParams(torch.stack(shifts), torch.stack(scales))
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        for item in src.iterdir():
+            if item.is_file() and item.name not in ("config.json", KV_PARAMS_FILE, "liteturbo_kv_calibration.json"):
+                _link_or_copy(item, tmp / item.name)
+        save_kv_params(tmp, params)
+        block = kv_config_block(params, calibration_bits=cfg.kv_bits)
+        write_json(tmp / "config.json", dict(config, **{KV_CONFIG_FIELD: block}))
+        wall = time.perf_counter() - t0
+        write_json(tmp / "liteturbo_kv_calibration.json", {
+            "source": str(src), "options": asdict(cfg), "calibration_tokens": n_tok, "device": device.type,
+            "wall_seconds": round(wall, 1), "peak_memory_gib": round(peak_memory_gib(device), 2),
+            "reused_layers": reused, "torch_threads": torch.get_num_threads(), "layers": report})
+    shutil.rmtree(partial, ignore_errors=True)
+    mean_gain = sum(r["online_loss"] / max(r["loss"], 1e-30) for r in report) / len(report)
+    print(f"[liteturbo] calibrate-kv: wrote {out} in {wall:.1f} s, peak memory {peak_memory_gib(device):.2f} GiB; "
+          f"attention error of int{cfg.kv_bits} keys {mean_gain:.1f}x lower than online on average",
+          file=sys.stderr)
+    return out
