@@ -64,7 +64,7 @@ class KVCalibConfig:
     calib_seqlen: int = 512
     seed: int = 42
     kv_bits: int = 4
-    n_grid: int = 11
+    n_grid: int = 6
     search_windows: int = 8
     device: str = "auto"
 
@@ -123,7 +123,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def search_key_transform(keys: torch.Tensor, windows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                         bits: int = 4, n_grid: int = 11) -> KeyTransform:
+                         bits: int = 4, n_grid: int = 6) -> KeyTransform:
     """Choose one layer's key shift and scales (see the module docstring for the objective).
 
     keys: every calibration token's post-rotary key ``[N, KVH, D]`` (statistics). windows: ``(q [T, H, D],

@@ -81,13 +81,16 @@ def load_config(path: Path) -> dict:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, shards in index order."""
+    """The safetensors weight files of a checkpoint, shards in index order (calibrated KV parameters, which
+    live beside the weights in their own safetensors file, are not weights)."""
+    from .kv import KV_PARAMS_FILE
+
     index = path / "model.safetensors.index.json"
     if index.is_file():
         with open(index, encoding="utf-8") as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
         return [path / n for n in names]
-    return sorted(path.glob("*.safetensors"))
+    return sorted(p for p in path.glob("*.safetensors") if p.name != KV_PARAMS_FILE)
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
