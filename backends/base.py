@@ -80,4 +80,6 @@ class Backend(ABC):
     def attention(self, q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
                   scale: float) -> torch.Tensor:
         """Causal attention of ``q [T, H, D]`` over each sequence's context, read from ``cache`` (``layer``) after
-        this step's K/V were written → ``[T, H, D]``."""
+        this step's K/V were written → ``[T, H, D]``. Scores are ``cache.attention_query(layer, q)`` against
+        ``cache.gather`` keys and the result goes through ``cache.attention_output`` (identity for 16-bit and
+        online caches; see :mod:`backends.kv_cache`)."""

@@ -18,18 +18,21 @@ int4 packs two codes per byte: byte ``j`` holds channel ``j`` in its low nibble 
 high nibble. Per token and head the scales cost 3 bytes (float16 scale + uint8 zero), so with ``D = 64`` a
 token-head takes 67 bytes in int8 and 35 in int4 against 128 in bf16.
 
-*Calibrated* keys (:class:`KVQuantParams`, written by ``liteturbo lite calibrate-kv``): keys have outlier
-channels (KIVI Sec. 3; KVQuant, Hooper et al. 2024, Sec. 3.1), so before the per-token quantization each
-post-rotary key is shifted and scaled per channel, ``k' = (k - shift) / scale``. Reading multiplies ``scale``
-back. The shift is *not* added back for attention: ``q·(k - shift) = q·k - q·shift`` changes every score of
-a query by the same amount, which the softmax ignores, so attention is exact without it (and 16-bit rounding
-of a large shift never touches the scores). Applied after the rotary embedding, the transform needs no
-property of RoPE; its scales are shared by each rotary pair ``(j, j + D/2)`` so that they hold at positions
-longer than the calibration text (see :mod:`lite.kv_calibration`).
+*Calibrated* mode (:class:`KVQuantParams`, written by ``liteturbo lite calibrate-kv``; the search is in
+:mod:`lite.kv_calibration`): keys have outlier channels (KIVI Sec. 3; KVQuant, Hooper et al. 2024, Sec. 3.1),
+so a layer may store ``k'' = H((k - shift) / scale)`` and ``v'' = H v`` instead, each quantized per token, with
+``shift``/``scale`` per channel and ``H`` the normalized Hadamard rotation of the head (QuaRot, Ashkboos et al.
+2024, Sec. 4: a rotation spreads outliers over all channels). Nothing is undone per key on read: attention
+multiplies ``H (q * scale)`` (:meth:`PagedKVCache.attention_query`) with the stored keys, which equals
+``q · (k - shift)``, and rotates its output back (:meth:`PagedKVCache.attention_output`). The shift is never
+added back: ``q·(k - shift) = q·k - q·shift`` moves all scores of a query by the same amount, which the
+softmax ignores, so attention is exact without it. All of it acts on post-rotary keys, as the cache stores
+them; ``scale`` is shared by each rotary pair ``(j, j + D/2)`` so that it holds at any position.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,16 +99,32 @@ class KVCacheSpec:
         return self.num_blocks * self.bytes_per_block()
 
 
+def hadamard(d: int) -> torch.Tensor:
+    """Normalized Sylvester Hadamard matrix ``[d, d]`` (float32, symmetric, ``H @ H = I``); ``d`` a power of two.
+    Raises ``ValueError`` otherwise."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(d)
+
+
 @dataclass
 class KVQuantParams:
-    """Offline (calibrated) key parameters, float32 ``[num_layers, num_kv_heads, head_dim]`` each.
+    """Offline (calibrated) parameters of a quantized cache, per layer.
 
-    ``k_shift`` is subtracted from every post-rotary key and ``k_scale`` (> 0) divides it before the per-token
-    quantization. Raises ``ValueError`` for mismatched shapes, non-finite values or non-positive scales.
+    ``k_shift``, ``k_scale`` (> 0): float32 ``[num_layers, num_kv_heads, head_dim]``; ``k_rotate``, ``v_rotate``:
+    bool ``[num_layers]``. A layer stores ``k'' = H((k - k_shift) / k_scale)`` and ``v'' = H v`` (``H`` the
+    normalized Hadamard matrix of ``head_dim``, only where ``*_rotate``), each quantized per token. Raises
+    ``ValueError`` for mismatched shapes, non-finite values, non-positive scales, or a rotation where
+    ``head_dim`` is not a power of two.
     """
 
     k_shift: torch.Tensor
     k_scale: torch.Tensor
+    k_rotate: torch.Tensor | None = None
+    v_rotate: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.k_shift = self.k_shift.detach().float().cpu().contiguous()
@@ -113,6 +132,15 @@ class KVQuantParams:
         if self.k_shift.dim() != 3 or self.k_shift.shape != self.k_scale.shape:
             raise ValueError(f"k_shift and k_scale must both be [layers, kv_heads, head_dim], got "
                              f"{tuple(self.k_shift.shape)} and {tuple(self.k_scale.shape)}")
+        layers, _, d = self.k_shift.shape
+        for name in ("k_rotate", "v_rotate"):
+            t = getattr(self, name)
+            t = torch.zeros(layers, dtype=torch.bool) if t is None else t.detach().cpu().bool().contiguous()
+            if tuple(t.shape) != (layers,):
+                raise ValueError(f"{name} must have shape ({layers},), got {tuple(t.shape)}")
+            setattr(self, name, t)
+        if (self.k_rotate.any() or self.v_rotate.any()) and d & (d - 1):
+            raise ValueError(f"rotations need a power-of-two head_dim, got {d}")
         if not (torch.isfinite(self.k_shift).all() and torch.isfinite(self.k_scale).all()):
             raise ValueError("k_shift / k_scale hold NaN or inf")
         if not (self.k_scale > 0).all():
@@ -128,7 +156,8 @@ class KVQuantParams:
     def digest(self) -> str:
         """Short hash identifying these parameters (saved KV is reused only under the same ones)."""
         h = hashlib.sha256(self.k_shift.numpy().tobytes())
-        h.update(self.k_scale.numpy().tobytes())
+        for t in (self.k_scale, self.k_rotate, self.v_rotate):
+            h.update(t.numpy().tobytes())
         return h.hexdigest()[:12]
 
 
@@ -211,6 +240,8 @@ class PagedKVCache:
                 # [L, KVH, 1, D] so that they broadcast over [KVH, tokens, D]
                 self._shift = params.k_shift.to(self.device).unsqueeze(2)
                 self._cscale = params.k_scale.to(self.device).unsqueeze(2)
+                self._k_rot, self._v_rot = params.k_rotate.tolist(), params.v_rotate.tolist()
+                self._h = hadamard(spec.head_dim).to(self.device) if any(self._k_rot + self._v_rot) else None
 
     # --- facts ---------------------------------------------------------------------------------------
     @property
@@ -234,7 +265,7 @@ class PagedKVCache:
     # --- write / read ----------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store ``k, v [T, KVH, D]`` (any float dtype) of ``layer`` at ``slots [T]`` (int64), quantizing if the
-        cache is int8/int4 (per token and head; calibrated keys shifted and scaled first)."""
+        cache is int8/int4 (per token and head; with calibrated parameters after their transform)."""
         kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, T, D]
         if not self.spec.quantized:
             self.k[layer].index_copy_(1, slots, kt.to(self.k[layer].dtype))
@@ -242,6 +273,10 @@ class PagedKVCache:
             return
         if self.params is not None:
             kt = (kt.float() - self._shift[layer]) / self._cscale[layer]
+            if self._k_rot[layer]:
+                kt = kt @ self._h
+            if self._v_rot[layer]:
+                vt = vt.float() @ self._h
         for x, store, sc, zp in ((kt, self.k, self.k_scale, self.k_zero), (vt, self.v, self.v_scale, self.v_zero)):
             codes, scale, zero = quantize_per_token(x, self.spec.bits)
             if self.spec.dtype == "int4":
@@ -250,12 +285,31 @@ class PagedKVCache:
             sc[layer].index_copy_(1, slots, scale)
             zp[layer].index_copy_(1, slots, zero)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at ``slots [n]`` (int64) as ``[KVH, n, D]`` in ``compute_dtype``, for attention.
+    def attention_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """``q [T, H, D]`` in the space of :meth:`gather`'s keys (same dtype): for calibrated keys
+        ``H (q * k_scale)`` (per query head with its KV head's scale), so that ``q̃ · k''`` equals
+        ``q · (k - k_shift)``; ``q`` itself otherwise."""
+        if self.params is None:
+            return q
+        t, h, d = q.shape
+        kvh = self.spec.num_kv_heads
+        qt = q.float().view(t, kvh, h // kvh, d) * self._cscale[layer].view(1, kvh, 1, d)
+        if self._k_rot[layer]:
+            qt = qt @ self._h
+        return qt.view(t, h, d).to(q.dtype)
 
-        Calibrated keys come back *without* their shift (a per-head constant that the softmax ignores: see the
-        module docstring); everything else is the stored value, dequantized in float32 then cast.
-        """
+    def attention_output(self, layer: int, o: torch.Tensor) -> torch.Tensor:
+        """Attention output ``o [T, H, D]`` computed with :meth:`gather`'s values, back in the model's space
+        (``o @ H`` where the values are stored rotated; ``o`` itself otherwise)."""
+        if self.params is None or not self._v_rot[layer]:
+            return o
+        return (o.float() @ self._h).to(o.dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``slots [n]`` (int64) as ``[KVH, n, D]`` in ``compute_dtype``, for attention:
+        ``softmax(attention_query(q) · K) V`` followed by :meth:`attention_output` is the attention over the
+        cached keys and values. 16-bit and online int8/int4 caches return the (dequantized) values themselves;
+        calibrated ones return them in their stored space (dequantized in float32, then cast)."""
         if not self.spec.quantized:
             k, v = self.k[layer].index_select(1, slots), self.v[layer].index_select(1, slots)
             if k.dtype != self.compute_dtype:
@@ -263,8 +317,6 @@ class PagedKVCache:
             return k, v
         k = self._dequant(self.k[layer], self.k_scale[layer], self.k_zero[layer], slots)
         v = self._dequant(self.v[layer], self.v_scale[layer], self.v_zero[layer], slots)
-        if self.params is not None:
-            k = k.mul_(self._cscale[layer])
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
     def _dequant(self, store, scale, zero, slots) -> torch.Tensor:
@@ -274,20 +326,20 @@ class PagedKVCache:
         return dequantize_per_token(codes, scale.index_select(1, slots), zero.index_select(1, slots))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values as the cache holds them, ``[n, KVH, D]`` float32, calibrated shift added back
-        (for inspection and tests; attention uses :meth:`gather`)."""
-        k, v = self.gather_float32(layer, slots)
-        return k.transpose(0, 1), v.transpose(0, 1)
-
-    def gather_float32(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`gather` but float32 and with the calibrated shift added back: ``[KVH, n, D]``."""
+        """The keys and values the cache holds for ``slots [n]``, ``[n, KVH, D]`` float32, in the model's space
+        (calibrated transforms inverted, shift added back); for inspection and tests, attention uses :meth:`gather`."""
         if not self.spec.quantized:
-            return self.k[layer].index_select(1, slots).float(), self.v[layer].index_select(1, slots).float()
-        k = self._dequant(self.k[layer], self.k_scale[layer], self.k_zero[layer], slots)
-        v = self._dequant(self.v[layer], self.v_scale[layer], self.v_zero[layer], slots)
-        if self.params is not None:
-            k = k * self._cscale[layer] + self._shift[layer]
-        return k, v
+            k, v = self.k[layer].index_select(1, slots).float(), self.v[layer].index_select(1, slots).float()
+        else:
+            k = self._dequant(self.k[layer], self.k_scale[layer], self.k_zero[layer], slots)
+            v = self._dequant(self.v[layer], self.v_scale[layer], self.v_zero[layer], slots)
+            if self.params is not None:
+                if self._k_rot[layer]:
+                    k = k @ self._h
+                k = k * self._cscale[layer] + self._shift[layer]
+                if self._v_rot[layer]:
+                    v = v @ self._h
+        return k.transpose(0, 1), v.transpose(0, 1)
 
     # --- save / restore in the stored form ----------------------------------------------------------------
     def _tensors(self, layer: int) -> dict[str, torch.Tensor]:

@@ -193,8 +193,10 @@ class TorchBackend(Backend):
         """SDPA per multi-token (prefill) sequence and for a lone decode row; two or more one-token (decode)
         queries of the step together as two batched matmuls over their K/V, gathered and padded to the
         longest context (softmax in float32, padding masked): CPU SDPA takes ~10x longer for a batch of 32
-        decode rows in bf16. K/V come from ``cache.gather`` (dequantized there for int8/int4 caches)."""
+        decode rows in bf16. K/V come from ``cache.gather`` (dequantized there for int8/int4 caches), in the
+        space of ``cache.attention_query(q)``; ``cache.attention_output`` maps the result back."""
         kvh, d = cache.spec.num_kv_heads, cache.spec.head_dim
+        q = cache.attention_query(layer, q)
         plan = meta.scratch.get("torch_attn")
         if plan is None:  # gather indices and masks are the same for every layer of the step
             plan = meta.scratch["torch_attn"] = _attention_plan(meta, meta.block_size, q.device, self.batch_invariant)
@@ -209,7 +211,7 @@ class TorchBackend(Backend):
                                                is_causal=causal, scale=scale, enable_gqa=True)
             o = o.squeeze(0).transpose(0, 1)
             if out is None:
-                return o
+                return cache.attention_output(layer, o)
             out[qs:qe] = o
         if decode is not None:
             rows, idx, pad = decode  # idx [B, L] slots (padded with a row's own last slot), pad [1, B, 1, L]
@@ -225,7 +227,7 @@ class TorchBackend(Backend):
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             o = torch.matmul(probs, vb).transpose(0, 1).reshape(b, h, d)
             out.index_copy_(0, rows, o)
-        return out
+        return cache.attention_output(layer, out)
 
 
 def _int8_tiled_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, tile: int = 4096) -> torch.Tensor:

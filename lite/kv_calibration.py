@@ -1,9 +1,10 @@
-"""Calibrated KV-cache quantization: per-layer key shift and per-channel key scales, searched offline.
+"""Calibrated KV-cache quantization: per layer, a key shift, per-channel key scales and Hadamard rotations, searched offline.
 
 Keys have outlier channels (KIVI, Liu et al. 2024, Sec. 3; KVQuant, Hooper et al. 2024, Sec. 3.1): a few channels
-carry most of a key's range, so a per-token int4 grid spends its 16 levels on them and flattens the rest. The
-cache (:mod:`backends.kv_cache`) therefore stores ``k' = (k - shift) / scale`` per channel, quantized per token,
-and multiplies ``scale`` back when reading. Both act on post-rotary keys, as the cache stores them:
+carry most of a key's range, so a per-token int4 grid spends its 16 levels on them and flattens the rest. Per
+layer the cache (:mod:`backends.kv_cache`) may therefore store ``k'' = H((k - shift) / scale)`` and ``v'' = H v``,
+quantized per token; attention undoes it on the query and output side, never per key. All of it acts on
+post-rotary keys, as the cache stores them:
 
 - ``shift``: the mean post-rotary key of each head over the calibration text. Subtracting any constant from the
   keys leaves attention unchanged (``q·(k - c)`` moves every score of a query by ``q·c``; the softmax ignores
@@ -14,12 +15,15 @@ and multiplies ``scale`` back when reading. Both act on post-rotary keys, as the
   keeps it), so one scale for both channels of a pair holds at positions beyond the calibration windows.
   ``alpha`` (SmoothQuant's migration strength, Xiao et al. 2023, Sec. 4) moves range from the outlier channels
   into the query side: ``q·k = (q ⊙ scale)·(k / scale)``, and the query stays 16-bit.
+- ``H``: the normalized Hadamard matrix of the head (QuaRot, Ashkboos et al. 2024, Sec. 4), for keys and/or
+  values: an orthogonal rotation spreads what remains of an outlier over all channels, so the per-token range
+  shrinks; ``q·k = (Hq)·(Hk)`` and ``Σ p v = H Σ p (H v)`` keep attention exact. Needs a power-of-two head size.
 
-Per layer the search (:func:`search_key_transform`) picks ``alpha`` on a grid and whether to shift, minimising the
-relative error of the attention output on calibration windows,
-``Σ ||softmax(Q K̂ᵀ/√d) V − softmax(Q Kᵀ/√d) V||² / Σ ||softmax(Q Kᵀ/√d) V||²`` with ``K̂`` the keys after the
-transform, per-token quantization and the inverse transform; ``alpha = 0`` without shift is the online mode, so
-the calibrated choice is never worse than online on the calibration text.
+Per layer the search (:func:`search_key_transform`) picks the shift (on/off), ``alpha`` on a grid and the key
+rotation (on/off) minimising the relative error of the attention output on calibration windows,
+``Σ ||softmax(Q K̂ᵀ/√d) V − softmax(Q Kᵀ/√d) V||² / Σ ||softmax(Q Kᵀ/√d) V||²`` with ``K̂`` the keys as attention
+effectively reads them, then the value rotation the same way. The online mode (nothing on) is among the
+candidates, so the calibrated choice is never worse than online on the calibration text.
 
 :func:`calibrate_kv` runs the calibration text through the model layer by layer (the pipeline of
 :mod:`lite.pipeline`: a meta-device skeleton, one layer materialized at a time, 16-bit or W4A16 sources,
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from backends.kv_cache import KVQuantParams, dequantize_per_token, quantize_per_token
+from backends.kv_cache import KVQuantParams, dequantize_per_token, hadamard, quantize_per_token
 
 from .formats import (KV_CONFIG_FIELD, KV_PARAMS_FILE, LiteturboError, arch_spec, atomic_output_dir,
                       check_output_dir, kv_config_block, load_config, resolve_model, save_kv_params, write_json)
@@ -56,6 +60,7 @@ class KVCalibConfig:
     calib_*: calibration data (see :mod:`lite.calibration`). kv_bits: the cache bits the search targets (4: the
     mode that needs it; the same parameters also serve int8). n_grid: alpha grid points in [0, 1].
     search_windows: calibration windows the attention-error search runs on (statistics use all of them).
+    rotation: also try Hadamard rotations of keys and values (``False``: shift and scales only).
     device: cpu | cuda | auto.
     """
 
@@ -66,6 +71,7 @@ class KVCalibConfig:
     kv_bits: int = 4
     n_grid: int = 6
     search_windows: int = 8
+    rotation: bool = True
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -89,15 +95,20 @@ class KVCalibConfig:
 
 @dataclass
 class KeyTransform:
-    """One layer's result: ``shift``/``scale`` float32 ``[KVH, D]``, the chosen ``alpha`` and shift, and the
-    search losses (relative attention-output error) of the choice and of the online mode."""
+    """One layer's result: ``shift``/``scale`` float32 ``[KVH, D]``, whether keys and values are rotated, the
+    chosen ``alpha`` and shift, and the search losses (relative attention-output error) of the choices and of
+    the online mode, for keys (``loss``, ``online_loss``) and values (``v_loss``, ``v_online_loss``)."""
 
     shift: torch.Tensor
     scale: torch.Tensor
+    rotate: bool
+    v_rotate: bool
     alpha: float
     use_shift: bool
     loss: float
     online_loss: float
+    v_loss: float = 0.0
+    v_online_loss: float = 0.0
 
 
 # --- the algorithm (pure tensor functions) ----------------------------------------------------------------
@@ -109,11 +120,28 @@ def pair_absmax(k: torch.Tensor) -> torch.Tensor:
     return torch.cat([norm, norm], dim=-1)
 
 
-def fake_quantize_keys(k: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """What attention reads back from the cache for keys ``k [N, KVH, D]``: transform, per-token quantization,
-    inverse scale (the shift stays subtracted; attention does not see it). float32."""
-    codes, s, z = quantize_per_token((k.float() - shift) / scale, bits)
-    return dequantize_per_token(codes, s, z) * scale
+def fake_quantize_keys(k: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, bits: int,
+                       rotate: bool = False) -> torch.Tensor:
+    """What attention effectively reads back from the cache for keys ``k [N, KVH, D]``: transform, per-token
+    quantization, inverse transform (the shift stays subtracted; attention does not see it). float32."""
+    x = (k.float() - shift) / scale
+    h = hadamard(k.shape[-1]) if rotate else None
+    if h is not None:
+        x = x @ h
+    codes, s, z = quantize_per_token(x, bits)
+    x = dequantize_per_token(codes, s, z)
+    if h is not None:
+        x = x @ h
+    return x * scale
+
+
+def fake_quantize_values(v: torch.Tensor, bits: int, rotate: bool = False) -> torch.Tensor:
+    """As :func:`fake_quantize_keys` for values (optionally rotated, no shift or scale). float32."""
+    h = hadamard(v.shape[-1]) if rotate else None
+    x = v.float() @ h if h is not None else v.float()
+    codes, s, z = quantize_per_token(x, bits)
+    x = dequantize_per_token(codes, s, z)
+    return x @ h if h is not None else x
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -123,11 +151,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def search_key_transform(keys: torch.Tensor, windows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                         bits: int = 4, n_grid: int = 6) -> KeyTransform:
-    """Choose one layer's key shift and scales (see the module docstring for the objective).
+                         bits: int = 4, n_grid: int = 6, rotation: bool = True) -> KeyTransform:
+    """Choose one layer's key shift, scales and rotation, and the value rotation (objective: the module docstring).
 
     keys: every calibration token's post-rotary key ``[N, KVH, D]`` (statistics). windows: ``(q [T, H, D],
     k [T, KVH, D], v [T, KVH, D])`` of a few calibration windows, post-rotary, positions from 0 (the search).
+    Keys are scored with exact values and values with exact keys. Rotations are tried when ``rotation`` and
+    ``D`` is a power of two.
     """
     keys = keys.float()
     kvh, d = keys.shape[1], keys.shape[2]
@@ -135,28 +165,41 @@ def search_key_transform(keys: torch.Tensor, windows: list[tuple[torch.Tensor, t
     refs = [_attend(q, k, v) for q, k, v in windows]
     denom = sum(float(r.square().sum()) for r in refs) or 1.0
 
-    def loss(shift: torch.Tensor, scale: torch.Tensor) -> float:
+    def loss(shift: torch.Tensor, scale: torch.Tensor, rotate: bool) -> float:
         err = 0.0
         for (q, k, v), ref in zip(windows, refs):
-            err += float((_attend(q, fake_quantize_keys(k, shift, scale, bits), v) - ref).square().sum())
+            err += float((_attend(q, fake_quantize_keys(k, shift, scale, bits, rotate), v) - ref).square().sum())
         return err / denom
 
+    def v_loss(rotate: bool) -> float:
+        err = 0.0
+        for (q, k, v), ref in zip(windows, refs):
+            err += float((_attend(q, k, fake_quantize_values(v, bits, rotate)) - ref).square().sum())
+        return err / denom
+
+    rotations = (False, True) if rotation and d & (d - 1) == 0 else (False,)
     zero, ones = torch.zeros(kvh, d), torch.ones(kvh, d)
-    online = loss(zero, ones)
-    best = KeyTransform(zero, ones, 0.0, False, online, online)
+    online = loss(zero, ones, False)
+    best = KeyTransform(zero, ones, False, False, 0.0, False, online, online)
     for use_shift in (False, True):
         shift = mean if use_shift else zero
         m = pair_absmax(keys - shift)
         m = torch.maximum(m, m.amax(-1, keepdim=True) * 1e-4).clamp(min=1e-8)  # dead channels: no huge 1/scale
-        for i in range(n_grid):
-            alpha = i / (n_grid - 1)
-            if alpha == 0 and not use_shift:
-                continue  # the online mode, scored above
-            scale = m.pow(alpha)
-            scale = scale / scale.amax(-1, keepdim=True)  # per head, the largest scale is 1
-            val = loss(shift, scale)
-            if val < best.loss:
-                best = KeyTransform(shift.clone(), scale, alpha, use_shift, val, online)
+        for rotate in rotations:
+            for i in range(n_grid):
+                alpha = i / (n_grid - 1)
+                if alpha == 0 and not use_shift and not rotate:
+                    continue  # the online mode, scored above
+                scale = m.pow(alpha)
+                scale = scale / scale.amax(-1, keepdim=True)  # per head, the largest scale is 1
+                val = loss(shift, scale, rotate)
+                if val < best.loss:
+                    best = KeyTransform(shift.clone(), scale, rotate, False, alpha, use_shift, val, online)
+    best.v_online_loss = best.v_loss = v_loss(False)
+    if True in rotations:
+        rotated = v_loss(True)
+        if rotated < best.v_loss:
+            best.v_rotate, best.v_loss = True, rotated
     return best
 
 
@@ -243,7 +286,7 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
     samples = calibration_samples(tok, cfg.calib_dataset, cfg.calib_samples, cfg.calib_seqlen, cfg.seed)
     inps, kws = lazy.capture_inputs(samples)
     n_tok = sum(x.shape[1] for x in inps)
-    shifts, scales, report, reused = [], [], [], 0
+    shifts, scales, k_rot, v_rot, report, reused = [], [], [], [], [], 0
     bar = tqdm(range(n_layers), desc=f"calibrate-kv int{cfg.kv_bits} ({n_tok} calib tokens)", unit="layer")
     for i in bar:
         layer = lazy.layers[i]
@@ -261,9 +304,13 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
                     keys.append(k.cpu())
                     if j < cfg.search_windows:
                         windows.append((q, k, v))
-                best = search_key_transform(torch.cat(keys, 0).to(device), windows, cfg.kv_bits, cfg.n_grid)
-            t = {"k_shift": best.shift.cpu().contiguous(), "k_scale": best.scale.cpu().contiguous()}
-            info = {"alpha": best.alpha, "shift": best.use_shift, "loss": best.loss, "online_loss": best.online_loss}
+                best = search_key_transform(torch.cat(keys, 0).to(device), windows, cfg.kv_bits, cfg.n_grid,
+                                            cfg.rotation)
+            t = {"k_shift": best.shift.cpu().contiguous(), "k_scale": best.scale.cpu().contiguous(),
+                 "k_rotate": torch.tensor([best.rotate]), "v_rotate": torch.tensor([best.v_rotate])}
+            info = {"alpha": best.alpha, "shift": best.use_shift, "k_rotate": best.rotate, "v_rotate": best.v_rotate,
+                    "loss": best.loss, "online_loss": best.online_loss, "v_loss": best.v_loss,
+                    "v_online_loss": best.v_online_loss}
             tmp = f.with_suffix(".tmp")
             save_file(t, str(tmp))
             write_json(partial / f"kv_layer_{i:04d}.json", info)
@@ -271,15 +318,18 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
             del keys, windows
         shifts.append(t["k_shift"])
         scales.append(t["k_scale"])
+        k_rot.append(bool(t["k_rotate"][0]))
+        v_rot.append(bool(t["v_rotate"][0]))
         report.append(dict(layer=i, **info))
         if i + 1 < n_layers:
             inps = _run_layer(layer, inps, kws)
         lazy.release(layer)
-        bar.set_postfix(alpha=f"{info['alpha']:.1f}", err=f"{info['loss']:.2e}/{info['online_loss']:.2e}")
+        bar.set_postfix(alpha=f"{info['alpha']:.1f}", k_err=f"{info['loss']:.1e}/{info['online_loss']:.1e}",
+                        v_err=f"{info['v_loss']:.1e}/{info['v_online_loss']:.1e}")
         if stop_after_layers is not None and i + 1 - reused >= stop_after_layers:
             raise KeyboardInterrupt(f"stopped after {i + 1} layers (test hook)")
 
-    params = KVQuantParams(torch.stack(shifts), torch.stack(scales))
+    params = KVQuantParams(torch.stack(shifts), torch.stack(scales), torch.tensor(k_rot), torch.tensor(v_rot))
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         for item in src.iterdir():
             if item.is_file() and item.name not in ("config.json", KV_PARAMS_FILE, "liteturbo_kv_calibration.json"):
@@ -293,8 +343,9 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
             "wall_seconds": round(wall, 1), "peak_memory_gib": round(peak_memory_gib(device), 2),
             "reused_layers": reused, "torch_threads": torch.get_num_threads(), "layers": report})
     shutil.rmtree(partial, ignore_errors=True)
-    mean_gain = sum(r["online_loss"] / max(r["loss"], 1e-30) for r in report) / len(report)
+    k_gain = sum(r["online_loss"] / max(r["loss"], 1e-30) for r in report) / len(report)
+    v_gain = sum(r["v_online_loss"] / max(r["v_loss"], 1e-30) for r in report) / len(report)
     print(f"[liteturbo] calibrate-kv: wrote {out} in {wall:.1f} s, peak memory {peak_memory_gib(device):.2f} GiB; "
-          f"attention error of int{cfg.kv_bits} keys {mean_gain:.1f}x lower than online on average",
-          file=sys.stderr)
+          f"attention error from int{cfg.kv_bits} keys {k_gain:.1f}x and from values {v_gain:.1f}x lower than "
+          f"online (mean over layers, calibration text)", file=sys.stderr)
     return out

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from backends.kv_cache import KVCacheSpec
+from backends.kv_cache import KVCacheSpec, KVQuantParams
 from backends.torch_backend import DequantHandle, Int4PackHandle, TorchBackend, _int8_tiled_mm
 from backends.types import AttentionMetadata, QuantizedWeight
 from lite.rtn import quantize_rtn
@@ -273,11 +273,11 @@ def _new_cache(dtype, kv_dtype=None, layers=2, params=None):
     return be, cache
 
 
-def _build_step(seqs, dtype, seed, kv_dtype=None):
+def _build_step(seqs, dtype, seed, kv_dtype=None, params=None):
     """seqs: list of (cached, new, block_table). Writes the cached part as an earlier step would have,
     then this step's K/V through the cache, and returns everything needed to check attention."""
     gen = torch.Generator().manual_seed(seed)
-    be, cache = _new_cache(dtype, kv_dtype)
+    be, cache = _new_cache(dtype, kv_dtype, params=params)
     full_k, full_v, qs_list = [], [], []
     # earlier step(s): the already-cached tokens
     for cached, new, table in seqs:
@@ -404,6 +404,36 @@ def test_paged_attention_over_quantized_cache_matches_f64_of_dequantized_kv(seqs
         kq, vq = kv_dequant_ref_f64(full_k[b], bits), kv_dequant_ref_f64(full_v[b], bits)
         ref = _naive_attention_f64(q[qs:qe], kq, vq, cached + new, 1.0 / math.sqrt(HD))
         assert (out[qs:qe].double() - ref).abs().max().item() <= 1e-5
+
+
+def _hadamard_f64(d):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), h)
+    return h / math.sqrt(d)
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["scale+shift", "scale+shift+hadamard"])
+@pytest.mark.parametrize("seqs", SEQ_CASES[:5], ids=SEQ_IDS[:5])
+def test_paged_attention_over_calibrated_cache_matches_f64(seqs, rotate):
+    """Calibrated int4 cache: attention (query transform, stored-space keys/values, output rotation) equals
+    float64 attention over the keys/values the reference transform + quantizer + inverse gives (the shift is
+    added back in the reference: attention must not depend on it)."""
+    gen = torch.Generator().manual_seed(8)
+    shift = torch.randn(2, KVH, HD, generator=gen) * 5
+    scale = torch.rand(2, KVH, HD, generator=gen) + 0.2
+    flag = torch.tensor([rotate, False])
+    params = KVQuantParams(shift, scale, flag, flag)
+    be, cache, q, meta, full_k, full_v = _build_step(seqs, torch.float32, seed=32, kv_dtype="int4", params=params)
+    out = be.attention(q, cache, 0, meta, 1.0 / math.sqrt(HD))
+    h = _hadamard_f64(HD) if rotate else torch.eye(HD, dtype=torch.float64)
+    sh, sc = shift[0].double(), scale[0].double()
+    for b, (cached, new, _) in enumerate(seqs):
+        qs, qe = meta.query_start[b], meta.query_start[b + 1]
+        kq = kv_dequant_ref_f64(((full_k[b].double() - sh) / sc) @ h, 4) @ h * sc + sh
+        vq = kv_dequant_ref_f64(full_v[b].double() @ h, 4) @ h
+        ref = _naive_attention_f64(q[qs:qe], kq, vq, cached + new, 1.0 / math.sqrt(HD))
+        assert (out[qs:qe].double() - ref).abs().max().item() <= 2e-5
 
 
 # ------------------------------------------------------------------------------------------------

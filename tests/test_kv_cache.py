@@ -28,22 +28,35 @@ def _slots(table, start, end):
     return torch.tensor([table[i // BS] * BS + i % BS for i in range(start, end)], dtype=torch.long)
 
 
-def _ref(x, bits, params=None, layer=0):
+def _hadamard_f64(d):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), h)
+    return h / math.sqrt(d)
+
+
+def _ref(x, bits, params=None, layer=0, value=False):
     """float64: what the cache must return for ``x [T, KVH, D]`` (calibrated: transform, quantize, invert)."""
     if params is None:
         return kv_dequant_ref_f64(x, bits)
+    rot = bool((params.v_rotate if value else params.k_rotate)[layer])
+    h = _hadamard_f64(x.shape[-1]) if rot else torch.eye(x.shape[-1], dtype=torch.float64)
+    if value:
+        return kv_dequant_ref_f64(x.double() @ h, bits) @ h
     sh, sc = params.k_shift[layer].double(), params.k_scale[layer].double()
-    return kv_dequant_ref_f64((x.double() - sh) / sc, bits) * sc + sh
+    return (kv_dequant_ref_f64(((x.double() - sh) / sc) @ h, bits) @ h) * sc + sh
 
 
-@pytest.mark.parametrize("calibrated", [False, True], ids=["online", "calibrated"])
+@pytest.mark.parametrize("calibrated", ["online", "shift+scale", "shift+scale+rotations"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 def test_quantized_writes_in_ragged_chunks_read_back_as_the_f64_reference(kv_dtype, calibrated):
     bits = 8 if kv_dtype == "int8" else 4
     gen = torch.Generator().manual_seed(3)
     params = None
-    if calibrated:
-        params = KVQuantParams(torch.randn(2, KVH, HD, generator=gen) * 2, torch.rand(2, KVH, HD, generator=gen) + 0.1)
+    if calibrated != "online":
+        rot = torch.tensor([False, calibrated.endswith("rotations")])
+        params = KVQuantParams(torch.randn(2, KVH, HD, generator=gen) * 2, torch.rand(2, KVH, HD, generator=gen) + 0.1,
+                               rot, rot)
     cache = _cache(kv_dtype, params)
     table = [7, 2, 10, 0, 5]  # non-adjacent blocks
     k = torch.randn(17, KVH, HD, generator=gen) * 3
@@ -54,9 +67,11 @@ def test_quantized_writes_in_ragged_chunks_read_back_as_the_f64_reference(kv_dty
         cache.write(1, k[s:e], v[s:e], _slots(table, s, e))
     rk, rv = cache.read(1, _slots(table, 0, 17))
     assert rk.dtype == torch.float32 and rk.shape == (17, KVH, HD)
-    ek, ev = _ref(k, bits, params, layer=1), _ref(v, bits)
+    ek, ev = _ref(k, bits, params, layer=1), _ref(v, bits, params, layer=1, value=True)
     assert (rk.double() - ek).abs().max().item() <= 1e-4 * (1 + ek.abs().max().item())
     assert (rv.double() - ev).abs().max().item() <= 1e-5 * (1 + ev.abs().max().item())
+    if params is not None:
+        return
     # and the error itself is what the bits allow: one step of the token's own range at most (half a step
     # inside the grid; the integer zero point may shift the ends by up to half a step more)
     rng = (torch.maximum(v.amax(-1), torch.zeros(())) - torch.minimum(v.amin(-1), torch.zeros(()))).unsqueeze(-1)
@@ -372,3 +387,19 @@ def test_int8_session_save_restore_with_kv_and_into_another_dtype(smollm2_rtn_g6
         r2 = bf16.load_session(folder)
     assert r2.seq.num_computed == 0
     assert "Tokyo" in r2.chat("And of Japan?", gen=GenerationConfig(max_new_tokens=30))
+
+
+def test_cli_names_a_bad_kv_dtype_and_reports_the_pool(tmp_path):
+    from click.testing import CliRunner
+
+    from turbo.cli import main
+
+    src = build_key_outlier_model(tmp_path / "m")
+    r = CliRunner().invoke(main, ["lite", "eval-ppl", str(src), "--kv-cache-dtype", "int3"])
+    assert r.exit_code == 2 and "kv_cache_dtype must be one of auto, bfloat16, float16, float32, int8, int4" in r.output
+    r = CliRunner().invoke(main, ["chat", str(src), "--quant-policy", "5"])
+    assert r.exit_code == 2 and "quant_policy must be 0 (16-bit KV), 8 (int8) or 4 (int4)" in r.output
+    r = CliRunner().invoke(main, ["chat", str(src), "--quant-policy", "4", "--dtype", "float32", "--max-new-tokens", "3"],
+                           input="the of and\n")
+    assert r.exit_code == 0, r.output
+    assert "KV cache int4: 88 bytes/token" in r.output  # 2 (K,V) x 2 layers x 2 heads x (16/2 + 3) bytes

@@ -191,21 +191,25 @@ lite.add_command(gptq, "auto-gptq")
 @click.option("--kv-bits", default=4, show_default=True, type=click.Choice(["4", "8"]),
               help="Cache bits the search targets (the parameters serve int8 and int4).")
 @click.option("--search-windows", default=8, show_default=True, help="Windows the per-layer search scores.")
+@click.option("--rotation/--no-rotation", default=True, show_default=True,
+              help="Also try Hadamard rotations of keys and values (power-of-two head sizes).")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
 @click.option("--work-dir", default="./work_dir", show_default=True, help="Output checkpoint folder.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at --work-dir.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
 @friendly_errors
-def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bits, search_windows, device, work_dir,
-                 overwrite, resume) -> None:
-    """Calibrated int8/int4 KV cache: per-layer key shift and per-channel key scales (docs/kv-cache.md).
+def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bits, search_windows, rotation, device,
+                 work_dir, overwrite, resume) -> None:
+    """Calibrated int8/int4 KV cache: per-layer key shift, per-channel key scales and Hadamard rotations of keys
+    and values, searched on the attention error (docs/kv-cache.md).
 
     MODEL may be 16-bit or W4A16; the output is MODEL's files plus the KV parameters, usable as MODEL by every
     command (the engine applies them with --kv-cache-dtype int8/int4)."""
     from lite.kv_calibration import KVCalibConfig, calibrate_kv as run
 
     cfg = KVCalibConfig(calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                        seed=seed, kv_bits=int(kv_bits), search_windows=search_windows, device=device)
+                        seed=seed, kv_bits=int(kv_bits), search_windows=search_windows, rotation=rotation,
+                        device=device)
     run(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 

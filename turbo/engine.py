@@ -1,7 +1,8 @@
 """The engine: a persistent batch over a paged KV cache, requests, and stateful chat sessions.
 
 ``step()`` asks the :class:`~turbo.scheduler.Scheduler` which sequences compute how many tokens, runs them
-as one flat batch through the :class:`ModelRunner`, and samples a token for every sequence whose tokens are
+as one flat batch through the :class:`ModelRunner` (which owns the weights and the backend's KV cache object:
+16-bit, int8 or int4, see :mod:`backends.kv_cache`), and samples a token for every sequence whose tokens are
 all computed. Everything else (APIs, sessions, streaming) is built on ``add_request`` + ``step``.
 """
 from __future__ import annotations

@@ -3,6 +3,10 @@
 Protocol (GPTQ, Frantar et al. 2023, Sec. 4; AWQ's ``eval``): tokenize the whole text once, cut it into
 non-overlapping windows of ``seqlen`` tokens (the remainder is dropped), score every next-token prediction
 inside each window, ``PPL = exp(mean over windows of the mean NLL)``.
+
+Each window is computed in chunks of 512 tokens through the engine's paged KV cache: every token's attention
+reads all earlier tokens' keys and values (its own chunk's included) back from the cache object, so with an
+int8/int4 cache the score measures the quantized cache, not a 16-bit shortcut.
 """
 from __future__ import annotations
 

@@ -3,10 +3,11 @@
 A checkpoint folder carries them as a safetensors file referenced from ``config.json``::
 
     "liteturbo_kv_cache": {"format": "liteturbo-kv/1", "file": "kv_cache_params.safetensors",
-                           "key_transform": "shift+channel-scale", "num_layers": L, "num_kv_heads": H, "head_dim": D}
+                           "key_transform": "shift+channel-scale+hadamard", "num_layers": L, "num_kv_heads": H,
+                           "head_dim": D}
 
-The file holds ``k_shift`` and ``k_scale``, float32 ``[L, H, D]`` (see :class:`backends.kv_cache.KVQuantParams`
-for their meaning). Other tools ignore the unknown config field; liteturbo's engine applies the parameters when
+The file holds ``k_shift`` and ``k_scale``, float32 ``[L, H, D]``, and ``k_rotate``, ``v_rotate``, uint8 ``[L]``
+(see :class:`backends.kv_cache.KVQuantParams` for their meaning). Other tools ignore the unknown config field; liteturbo's engine applies the parameters when
 an int8/int4 KV cache is asked for.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ KV_PARAMS_FILE = "kv_cache_params.safetensors"
 def kv_config_block(params: KVQuantParams, **extra) -> dict:
     """The ``config.json`` entry that points at the parameter file (``extra``: provenance fields)."""
     layers, heads, dim = params.k_shift.shape
-    return {"format": KV_FORMAT, "file": KV_PARAMS_FILE, "key_transform": "shift+channel-scale",
+    return {"format": KV_FORMAT, "file": KV_PARAMS_FILE, "key_transform": "shift+channel-scale+hadamard",
             "num_layers": layers, "num_kv_heads": heads, "head_dim": dim, **extra}
 
 
@@ -36,7 +37,8 @@ def save_kv_params(folder: Path, params: KVQuantParams) -> Path:
     from safetensors.torch import save_file
 
     out = Path(folder) / KV_PARAMS_FILE
-    save_file({"k_shift": params.k_shift.contiguous(), "k_scale": params.k_scale.contiguous()}, str(out),
+    save_file({"k_shift": params.k_shift.contiguous(), "k_scale": params.k_scale.contiguous(),
+               "k_rotate": params.k_rotate.to(torch.uint8), "v_rotate": params.v_rotate.to(torch.uint8)}, str(out),
               metadata={"format": KV_FORMAT})
     return out
 
@@ -67,6 +69,7 @@ def load_kv_params(folder: Path, config: dict) -> KVQuantParams | None:
     if "k_shift" not in t or "k_scale" not in t:
         raise LiteturboError(f"the KV parameter file {path} lacks k_shift/k_scale; {fix}")
     try:
-        return KVQuantParams(t["k_shift"].to(torch.float32), t["k_scale"].to(torch.float32))
+        return KVQuantParams(t["k_shift"].to(torch.float32), t["k_scale"].to(torch.float32), t.get("k_rotate"),
+                             t.get("v_rotate"))
     except ValueError as e:
         raise LiteturboError(f"the KV parameter file {path} is invalid ({e}); {fix}") from None
