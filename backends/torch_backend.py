@@ -123,8 +123,9 @@ class TorchBackend(Backend):
     crossover lies between 8 and 12 rows in the same script).
 
     ``batch_invariant=True`` keeps every token's numbers independent of the step it runs in: int4pack and
-    int8pack for any row count (both compute each row on its own) and the batched decode attention even for
-    a lone decode row. Prefill then costs ~2x more on CPU; greedy outputs in 16-bit no longer depend on
+    int8pack for any row count (both compute each row on its own), the batched decode attention even for
+    a lone decode row, and the same matmul/softmax/matmul operations for prefill rows (so a token recomputed
+    after a preemption gets the numbers it had when it was decoded). Prefill then costs ~2x more on CPU; greedy outputs in 16-bit no longer depend on
     batching, chunking or prefix-cache hits (float32 is close enough either way for the tests).
     """
 
@@ -206,10 +207,15 @@ class TorchBackend(Backend):
             kb, vb = cache.gather(layer, slots)  # [KVH, ctx, D]
             if kb.dtype != q.dtype:
                 kb, vb = kb.to(q.dtype), vb.to(q.dtype)
-            qb = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
-            o = F.scaled_dot_product_attention(qb, kb.unsqueeze(0), vb.unsqueeze(0), attn_mask=mask,
-                                               is_causal=causal, scale=scale, enable_gqa=True)
-            o = o.squeeze(0).transpose(0, 1)
+            if self.batch_invariant:
+                # the decode path's ops (matmul, float32 softmax, matmul) on all rows at once: a token's numbers
+                # are then the same whether it is prefilled, recomputed after a preemption or decoded
+                o = _masked_matmul_attention(q[qs:qe], kb, vb, mask, scale)
+            else:
+                qb = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
+                o = F.scaled_dot_product_attention(qb, kb.unsqueeze(0), vb.unsqueeze(0), attn_mask=mask,
+                                                   is_causal=causal, scale=scale, enable_gqa=True)
+                o = o.squeeze(0).transpose(0, 1)
             if out is None:
                 return cache.attention_output(layer, o)
             out[qs:qe] = o
@@ -257,7 +263,7 @@ def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batc
             dec.append((qs, slots))
             continue
         mask = None
-        if t < ctx:  # query j sits at position ctx - t + j and sees keys 0 .. ctx - t + j
+        if t < ctx or batch_invariant:  # query j sits at position ctx - t + j and sees keys 0 .. ctx - t + j
             rows = torch.arange(t, device=device).unsqueeze(1) + (ctx - t)
             mask = torch.arange(ctx, device=device).unsqueeze(0) <= rows
         singles.append((qs, qe, slots.to(device), mask, t == ctx))
@@ -278,6 +284,21 @@ def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batc
         rows = torch.tensor([qs for qs, _ in dec], dtype=torch.long)
         decode = (rows.to(device), idx.to(device), pad.to(device))
     return singles, decode
+
+
+def _masked_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's ``q [t, H, D]`` over ``k, v [KVH, ctx, D]`` (``mask [t, ctx]``, True =
+    visible) with the batched-decode path's operations: bit-identical per row to that path (checked for bf16 on
+    CPU), used by ``batch_invariant``."""
+    t, h, d = q.shape
+    kvh = k.shape[0]
+    g = h // kvh
+    qb = q.view(t, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, t * g, d)
+    scores = torch.matmul(qb, k.transpose(-1, -2)).float().mul_(scale)  # [KVH, t*G, ctx]
+    scores.masked_fill_(~mask.repeat_interleave(g, 0), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).view(kvh, t, g, d).permute(1, 0, 2, 3).reshape(t, h, d)
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

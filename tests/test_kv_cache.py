@@ -329,10 +329,9 @@ def _prompts(n):
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["int8"])
 def test_quantized_cache_outputs_do_not_depend_on_batching_or_prefix_hits(smollm2_rtn_g64, kv_dtype):
-    """batch_invariant + int8/int4 cache: a request's tokens alone == batched (chunked prefill mixed with
-    decode) == on a prefix-cache hit (the shared blocks hold the same quantized values a fresh prefill writes).
-    Not after a preemption: recomputed tokens go through the prefill attention kernel, whose last-bit
-    differences can flip a quantization code (docs/kv-cache.md)."""
+    """batch_invariant + int8 cache: a request's tokens alone == batched (chunked prefill mixed with decode,
+    preemption by recompute) == on a prefix-cache hit (the shared blocks hold the same quantized values a fresh
+    prefill writes)."""
     from turbo import GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=10, ignore_eos=True)
@@ -340,15 +339,13 @@ def test_quantized_cache_outputs_do_not_depend_on_batching_or_prefix_hits(smollm
                                                          enable_prefix_caching=False, batch_invariant=True))
     prompts = _prompts(12)
     alone = [alone_engine.generate(p, gen).token_ids for p in prompts]
-    engine = Engine(smollm2_rtn_g64, EngineConfig(dtype="bfloat16", max_kv_tokens=2048, block_size=16,
+    engine = Engine(smollm2_rtn_g64, EngineConfig(dtype="bfloat16", max_kv_tokens=160, block_size=16,
                                                   max_num_batched_tokens=128, batch_invariant=True,
                                                   kv_cache_dtype=kv_dtype))
     reqs = [engine.add_request(p, gen) for p in prompts]
-    steps = 0
     while engine.has_unfinished():
         engine.step()
-        steps += 1
-    assert steps < 12 * 10  # batched: fewer steps than running them one by one
+    assert sum(r.seq.num_preemptions for r in reqs) > 0
     assert [r.output_ids for r in reqs] == alone
     # prefix cache: a long shared prefix, computed once (miss) then reused (hit)
     prefix = "You are a helpful assistant. " * 8
