@@ -389,6 +389,10 @@ class PagedKVCache:
                     raise ValueError(f"saved KV tensor {name}.{layer} is missing or not {t.dtype} of shape {want}")
                 if got.is_floating_point() and not torch.isfinite(got).all():
                     raise ValueError(f"saved KV tensor {name}.{layer} holds NaN or inf")
+                if name.endswith("_scale") and not bool((got.float() >= _FP16_MIN_NORMAL).all()):
+                    raise ValueError(f"saved KV tensor {name}.{layer} holds scales below 2^-14, which no write makes")
+                if name.endswith("_zero") and got.numel() and int(got.max()) >= (1 << self.spec.bits):
+                    raise ValueError(f"saved KV tensor {name}.{layer} holds zero points beyond {self.spec.bits} bits")
         for layer in range(self.spec.num_layers):
             for name, t in self._tensors(layer).items():
                 t.index_copy_(1, slots, tensors[f"{name}.{layer}"].to(self.device).transpose(0, 1))

@@ -61,6 +61,14 @@ def load_texts(dataset: str) -> list[str]:
     return texts
 
 
+def check_calib_seqlen(config: dict, seqlen: int) -> None:
+    """Refuse (``LiteturboError``) calibration windows longer than the model's context, before any work."""
+    max_pos = config.get("max_position_embeddings")
+    if isinstance(max_pos, int) and seqlen > max_pos:
+        raise LiteturboError(f"--calib-seqlen {seqlen} exceeds the model's context (max_position_embeddings="
+                             f"{max_pos}); use at most {max_pos} (512, the default, is the usual choice)")
+
+
 def calibration_samples(tokenizer, dataset: str = DEFAULT_CALIB_DATASET, n_samples: int = DEFAULT_CALIB_SAMPLES,
                         seqlen: int = DEFAULT_CALIB_SEQLEN, seed: int = 42) -> list[torch.Tensor]:
     """``n_samples`` int64 token tensors ``[1, L]`` with ``L <= seqlen`` (see module docstring).

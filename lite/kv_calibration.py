@@ -79,8 +79,13 @@ class KVCalibConfig:
             raise LiteturboError("--calib-samples must be positive and --calib-seqlen at least 2")
         if self.kv_bits not in (4, 8):
             raise LiteturboError(f"--kv-bits must be 4 or 8, got {self.kv_bits}")
-        if self.n_grid < 2 or self.search_windows < 1:
-            raise LiteturboError("n_grid must be >= 2 and search_windows >= 1")
+        if self.search_windows < 1:
+            raise LiteturboError(f"--search-windows must be >= 1, got {self.search_windows}")
+        if self.search_windows > self.calib_samples:
+            raise LiteturboError(f"--search-windows {self.search_windows} exceeds --calib-samples {self.calib_samples}; "
+                                 f"lower it")
+        if self.n_grid < 2:
+            raise LiteturboError(f"n_grid must be >= 2, got {self.n_grid}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise LiteturboError(f"--device must be cpu, cuda or auto, got {self.device!r}")
 
@@ -255,7 +260,7 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    from .calibration import calibration_samples
+    from .calibration import calibration_samples, check_calib_seqlen
     from .pipeline import LazyCheckpoint, _run_layer, peak_memory_gib
 
     t0 = time.perf_counter()
@@ -266,6 +271,11 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
     device = cfg.torch_device()
     lazy = LazyCheckpoint(src, device)
     n_layers = len(lazy.layers)
+
+    check_calib_seqlen(config, cfg.calib_seqlen)
+    # everything that can fail on bad input runs before the .partial folder exists
+    tok = AutoTokenizer.from_pretrained(str(src))
+    samples = calibration_samples(tok, cfg.calib_dataset, cfg.calib_samples, cfg.calib_seqlen, cfg.seed)
 
     partial = out.parent / f"{out.name}.partial"
     fp = _fingerprint(cfg, src)
@@ -281,9 +291,6 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
         print(f"[liteturbo] nothing to resume in {partial}; starting from layer 0", file=sys.stderr)
     partial.mkdir(parents=True, exist_ok=True)
     write_json(state_file, {"fingerprint": fp, "config": asdict(cfg), "source": str(src)})
-
-    tok = AutoTokenizer.from_pretrained(str(src))
-    samples = calibration_samples(tok, cfg.calib_dataset, cfg.calib_samples, cfg.calib_seqlen, cfg.seed)
     inps, kws = lazy.capture_inputs(samples)
     n_tok = sum(x.shape[1] for x in inps)
     shifts, scales, k_rot, v_rot, report, reused = [], [], [], [], [], 0

@@ -480,7 +480,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    from .calibration import calibration_samples
+    from .calibration import calibration_samples, check_calib_seqlen
     from .quantize import check_group_size
 
     t0 = time.perf_counter()
@@ -505,6 +505,12 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     dtypes = {k: lazy.files[f].get_slice(k).get_dtype() for k, f in lazy.where.items()}
     dtypes = {k: _dtype(v) for k, v in dtypes.items()}
 
+    samples = []
+    if cfg.method != "rtn":  # RTN needs no calibration data; bad data fails here, before .partial exists
+        check_calib_seqlen(config, cfg.calib_seqlen)
+        tok = AutoTokenizer.from_pretrained(str(src))
+        samples = calibration_samples(tok, cfg.calib_dataset, cfg.calib_samples, cfg.calib_seqlen, cfg.seed)
+
     partial = out.parent / f"{out.name}.partial"
     fp = cfg.fingerprint(src)
     state_file = partial / "state.json"
@@ -521,9 +527,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     write_json(state_file, {"fingerprint": fp, "config": asdict(cfg), "source": str(src)})
 
     inps, kws = [], []
-    if cfg.method != "rtn":  # RTN needs no calibration data
-        tok = AutoTokenizer.from_pretrained(str(src))
-        samples = calibration_samples(tok, cfg.calib_dataset, cfg.calib_samples, cfg.calib_seqlen, cfg.seed)
+    if samples:
         inps, kws = lazy.capture_inputs(samples)
     n_tok = sum(x.shape[1] for x in inps)
     mt = config["model_type"]

@@ -218,7 +218,12 @@ def test_calibrate_kv_on_outlier_keys_beats_online_int4_and_refuses_bad_params(t
 
     other = tmp_path / "other"
     shutil.copytree(out, other)
-    save_file({"k_shift": torch.zeros(3, 2, 16), "k_scale": torch.ones(3, 2, 16)}, str(other / "kv_cache_params.safetensors"))
+    # the parameters (file and config entry) of a 3-layer model
+    save_file({"k_shift": torch.zeros(3, 2, 16), "k_scale": torch.ones(3, 2, 16), "k_rotate": torch.zeros(3, dtype=torch.uint8),
+               "v_rotate": torch.zeros(3, dtype=torch.uint8)}, str(other / "kv_cache_params.safetensors"))
+    conf3 = json.loads((other / "config.json").read_text())
+    conf3["liteturbo_kv_cache"]["num_layers"] = 3
+    (other / "config.json").write_text(json.dumps(conf3))
     with pytest.raises(LiteturboError, match="another model.*layers 3 != 2.*calibrate-kv"):
         Engine(other, dtype="float32", kv_cache_dtype="int4")
     Engine(other, dtype="float32", kv_cache_dtype="int4", kv_calibration=False)  # the explicit opt-out works
@@ -400,3 +405,61 @@ def test_cli_names_a_bad_kv_dtype_and_reports_the_pool(tmp_path):
                            input="the of and\n")
     assert r.exit_code == 0, r.output
     assert "KV cache int4: 88 bytes/token" in r.output  # 2 (K,V) x 2 layers x 2 heads x (16/2 + 3) bytes
+
+
+def test_kv_parameter_entries_that_lie_are_refused(tmp_path):
+    """The config entry must name a file inside the folder, a known transform and the file's real shape."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lite.kv_calibration import KVCalibConfig, calibrate_kv
+
+    src = build_key_outlier_model(tmp_path / "m")
+    good = calibrate_kv(str(src), KVCalibConfig(calib_samples=4, calib_seqlen=32, search_windows=2, rotation=False,
+                                                device="cpu"), str(tmp_path / "cal"))
+    entry = json.loads((good / "config.json").read_text())["liteturbo_kv_cache"]
+    assert entry["key_transform"] == "shift+channel-scale"  # --no-rotation: the metadata says so
+    assert not load_file(str(good / "kv_cache_params.safetensors"))["k_rotate"].any()
+
+    def variant(name, edit_entry=None, edit_tensors=None):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        cfg = json.loads((d / "config.json").read_text())
+        if edit_entry:
+            cfg["liteturbo_kv_cache"] = edit_entry(dict(cfg["liteturbo_kv_cache"]))
+            (d / "config.json").write_text(json.dumps(cfg))
+        if edit_tensors:
+            t = load_file(str(d / "kv_cache_params.safetensors"))
+            save_file(edit_tensors(t), str(d / "kv_cache_params.safetensors"))
+        return d
+
+    for d, needle in [
+        (variant("outside", lambda e: dict(e, file=f"../cal/kv_cache_params.safetensors")), "inside the checkpoint"),
+        (variant("dot", lambda e: dict(e, file=".")), "inside the checkpoint"),
+        (variant("magic", lambda e: dict(e, key_transform="magic")), "unknown key_transform 'magic'"),
+        (variant("heads", lambda e: dict(e, num_kv_heads=4)), r"states layers/kv heads/head_dim \(2, 4, 16\)"),
+        (variant("rot5", edit_tensors=lambda t: dict(t, k_rotate=torch.full_like(t["k_rotate"], 5))), "0 or 1"),
+        (variant("norot", lambda e: dict(e, key_transform="shift+channel-scale+hadamard"),
+                 lambda t: {k: v for k, v in t.items() if not k.endswith("rotate")}), "lacks k_rotate, v_rotate"),
+    ]:
+        with pytest.raises(LiteturboError, match=needle):
+            Engine(d, dtype="float32", kv_cache_dtype="int4")
+
+
+def test_calibration_inputs_are_checked_before_any_work(tmp_path):
+    from lite.kv_calibration import KVCalibConfig, calibrate_kv
+    from lite.pipeline import PipelineConfig, quantize_model
+
+    src = build_key_outlier_model(tmp_path / "m")  # max_position_embeddings 512
+    with pytest.raises(LiteturboError, match="--calib-seqlen 1000 exceeds the model's context"):
+        calibrate_kv(str(src), KVCalibConfig(calib_samples=2, calib_seqlen=1000, search_windows=1), str(tmp_path / "a"))
+    with pytest.raises(LiteturboError, match="--calib-seqlen 1000 exceeds the model's context"):
+        quantize_model(str(src), PipelineConfig(method="gptq", w_group_size=32, calib_samples=2, calib_seqlen=1000),
+                       str(tmp_path / "b"))
+    with pytest.raises(LiteturboError, match="neither a bundled dataset"):
+        calibrate_kv(str(src), KVCalibConfig(calib_dataset="nope", calib_samples=2, calib_seqlen=32, search_windows=1),
+                     str(tmp_path / "c"))
+    assert not list(tmp_path.glob("*.partial")) and not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    with pytest.raises(LiteturboError, match="--search-windows 10 exceeds --calib-samples 4"):
+        KVCalibConfig(calib_samples=4, search_windows=10)

@@ -256,10 +256,20 @@ def test_damaged_saved_sessions(engine, tmp_path):
         with pytest.raises(LiteturboError, match=needle):
             engine.load_session(variant(name, edit))
 
-    # unusable KV is dropped, never trusted: the session still works and recomputes
-    for d in (variant("cut", kv_bytes=1000), variant("negkv", lambda m: dict(m, kv_tokens=-5)),
-              variant("shortids", lambda m: dict(m, token_ids=m["token_ids"][:3]))):
-        r = engine.load_session(d)
+    # a valid file whose values were changed: the checksum in session.json catches it
+    tampered = variant("tampered")
+    from safetensors.torch import load_file, save_file
+
+    kv = load_file(str(tampered / "kv.safetensors"))
+    kv["v.0"] = kv["v.0"] * 100
+    save_file(kv, str(tampered / "kv.safetensors"))
+    # unusable KV is dropped with a warning naming why, never trusted: the session still works and recomputes
+    for d, why in ((variant("cut", kv_bytes=1000), "checksum"), (variant("negkv", lambda m: dict(m, kv_tokens=-5)),
+                   "kv_tokens -5"), (variant("shortids", lambda m: dict(m, token_ids=m["token_ids"][:3])), "kv_tokens"),
+                   (tampered, "checksum"),
+                   (variant("cut-nosum", lambda m: {k: v for k, v in m.items() if k != "kv_sha256"}, 1000), "cannot be read")):
+        with pytest.warns(UserWarning, match=f"saved KV cache is not used.*{why}"):
+            r = engine.load_session(d)
         assert r.seq.num_computed == 0
         assert isinstance(r.chat("And you?", max_new_tokens=4), str)
         r.close()

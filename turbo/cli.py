@@ -78,7 +78,7 @@ def rtn(model, w_bits, w_group_size, w_sym, work_dir, overwrite) -> None:
 @click.option("--seqlen", default=2048, show_default=True, help="Tokens per window.")
 @click.option("--max-windows", default=None, type=int, help="Score only the first N windows.")
 @click.option("--dtype", default="auto", show_default=True)
-@click.option("--json", "as_json", is_flag=True, help='Print {"ppl", "tokens", "seconds", "kv_cache_dtype"} as JSON.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"ppl", "tokens", "seconds", "kv_cache_dtype", "kv_calibrated"} as JSON.')
 @_kv_options
 @friendly_errors
 def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, kv_cache_dtype, quant_policy,
@@ -242,7 +242,8 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
                            seed=seed)
     session = engine.session(system)
     interactive = sys.stdin.isatty()
-    click.echo(f"[liteturbo] {engine.path} ({engine.model.quant_method or 'float'}, {engine.dtype}); "
+    click.echo(f"[liteturbo] {engine.path} ({engine.model.quant_method or '16/32-bit'} weights, compute "
+               f"{str(engine.dtype).removeprefix('torch.')}); "
                f"{kv_summary(engine)}; /reset clears the history, /exit quits", err=True)
     total_tokens, total_s = 0, 0.0
     while True:

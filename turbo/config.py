@@ -94,8 +94,8 @@ class EngineConfig:
         _coerce(self, "kv_cache_dtype", "str")
         self.kv_cache_dtype = _KV_ALIASES.get(self.kv_cache_dtype.lower(), self.kv_cache_dtype.lower())
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
-            raise LiteturboError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got "
-                                 f"{self.kv_cache_dtype!r}")
+            raise LiteturboError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)} (case-insensitive; "
+                                 f"aliases bf16, fp16, half, fp32, float), got {self.kv_cache_dtype!r}")
         if self.quant_policy is not None:
             if self.quant_policy not in QUANT_POLICY:
                 raise LiteturboError(f"quant_policy must be 0 (16-bit KV), 8 (int8) or 4 (int4), got {self.quant_policy}")

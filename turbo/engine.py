@@ -335,35 +335,46 @@ class Engine:
         if s.seq.token_ids:
             self._check_prompt(s.seq.token_ids, session=True)
         n = meta.get("kv_tokens", 0)
-        if not (isinstance(n, int) and 0 < n <= len(token_ids)):
-            return s  # no (usable) saved KV: the next turn recomputes the history
-        if not (path / "kv.safetensors").is_file() or meta.get("model_fingerprint") != self.fingerprint():
+        if n == 0:
+            return s  # saved without KV: the next turn computes the history
+        import warnings
+
+        def drop(why: str) -> "Session":
+            warnings.warn(f"{path}: the saved KV cache is not used ({why}); the {len(token_ids)} tokens of history are "
+                          f"recomputed on the next turn", stacklevel=3)
             return s
+
+        if not (isinstance(n, int) and not isinstance(n, bool) and 0 < n <= len(token_ids)):
+            return drop(f"kv_tokens {n!r} is not a token count within the history")
+        kv_file = path / "kv.safetensors"
+        if not kv_file.is_file():
+            return drop("kv.safetensors is missing")
+        if meta.get("model_fingerprint") != self.fingerprint():
+            return drop("it was saved by other weights or another compute dtype")
         cache = self.runner.kv_cache
         # sessions saved before the KV cache had a dtype of its own stored it in the compute dtype
         saved_as = meta.get("kv_storage", str(self.dtype).removeprefix("torch."))
         if saved_as != cache.storage_key():
-            import warnings
-
-            warnings.warn(f"the session's KV cache was saved as {saved_as!r} but this engine's cache is "
-                          f"{cache.storage_key()!r}; its {n} tokens are recomputed on the next turn", stacklevel=2)
-            return s
-        kv = _load_session_kv(path / "kv.safetensors")
+            return drop(f"it was saved as {saved_as!r} but this engine's cache is {cache.storage_key()!r}")
+        digest = meta.get("kv_sha256")
+        if digest is not None and digest != _sha256(kv_file):
+            return drop("kv.safetensors does not match the checksum in session.json: it was changed or damaged")
+        kv = _load_session_kv(kv_file)
         if kv is None:
-            return s  # damaged or foreign KV file: recomputing is always correct
+            return drop("kv.safetensors cannot be read")
         with self._lock:
             try:
                 self.block_manager.ensure_capacity(s.seq.block_table, n)
             except Exception:
                 self.block_manager.free(s.seq.block_table)
-                return s  # no room now: the next turn recomputes
+                return drop("the KV pool has no room for it now")
             slots = torch.tensor(self.block_manager.slots(s.seq.block_table, 0, n), dtype=torch.long,
                                  device=self.backend.device)
             try:
                 cache.load(kv, slots)  # validates every tensor before writing any
-            except ValueError:
+            except ValueError as e:
                 self.block_manager.free(s.seq.block_table)
-                return s  # damaged or foreign KV tensors: the next turn recomputes
+                return drop(str(e))
             s.seq.num_computed = n
             self.block_manager.register_full_blocks(s.seq.token_ids, s.seq.block_table, n)
             self.scheduler.finish(s.seq, keep_cache=True)
@@ -641,6 +652,16 @@ class Engine:
         yield self.output(req)
 
 
+def _sha256(file: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _load_session_kv(file: Path) -> dict | None:
     """The saved KV tensors, or ``None`` when the file is unreadable (shapes are checked by the cache)."""
     from safetensors.torch import load_file
@@ -769,11 +790,12 @@ class Session:
             meta = {"format": "liteturbo-session/1", "system": self.system, "messages": self.messages,
                     "token_ids": self.seq.token_ids, "kv_tokens": n, "model_fingerprint": self.engine.fingerprint(),
                     "kv_storage": self.engine.runner.kv_cache.storage_key()}
-            (tmp / "session.json").write_text(json.dumps(meta, ensure_ascii=False, indent=1))
             if n:
                 slots = torch.tensor(self.engine.block_manager.slots(self.seq.block_table, 0, n), dtype=torch.long)
                 # the stored form ([tokens, KVH, ...] per layer: 16-bit values, or int8/int4 codes and scales)
                 save_file(self.engine.runner.kv_cache.export(slots), str(tmp / "kv.safetensors"))
+                meta["kv_sha256"] = _sha256(tmp / "kv.safetensors")
+            (tmp / "session.json").write_text(json.dumps(meta, ensure_ascii=False, indent=1))
             os.chmod(tmp, 0o755)
             if path.exists():
                 shutil.rmtree(path)

@@ -25,10 +25,15 @@ KV_FORMAT = "liteturbo-kv/1"
 KV_PARAMS_FILE = "kv_cache_params.safetensors"
 
 
+KEY_TRANSFORMS = ("shift+channel-scale", "shift+channel-scale+hadamard")
+
+
 def kv_config_block(params: KVQuantParams, **extra) -> dict:
-    """The ``config.json`` entry that points at the parameter file (``extra``: provenance fields)."""
+    """The ``config.json`` entry that points at the parameter file (``extra``: provenance fields).
+    ``key_transform`` names the rotation only when some layer uses one."""
     layers, heads, dim = params.k_shift.shape
-    return {"format": KV_FORMAT, "file": KV_PARAMS_FILE, "key_transform": "shift+channel-scale+hadamard",
+    rotated = bool(params.k_rotate.any() or params.v_rotate.any())
+    return {"format": KV_FORMAT, "file": KV_PARAMS_FILE, "key_transform": KEY_TRANSFORMS[rotated],
             "num_layers": layers, "num_kv_heads": heads, "head_dim": dim, **extra}
 
 
@@ -53,10 +58,16 @@ def load_kv_params(folder: Path, config: dict) -> KVQuantParams | None:
         return None
     fix = "run `liteturbo lite calibrate-kv` again on the source model, or pass kv_calibration=False " \
           "(--no-kv-calibration) to use the online int8/int4 cache"
+    where = f"{Path(folder) / 'config.json'}: {KV_CONFIG_FIELD!r}"
     if not isinstance(entry, dict) or entry.get("format") != KV_FORMAT or not isinstance(entry.get("file"), str):
-        raise LiteturboError(f"{Path(folder) / 'config.json'}: {KV_CONFIG_FIELD!r} must be an object with "
-                             f"format {KV_FORMAT!r} and a 'file'; {fix}")
-    path = Path(folder) / entry["file"]
+        raise LiteturboError(f"{where} must be an object with format {KV_FORMAT!r} and a 'file'; {fix}")
+    name = entry["file"]
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise LiteturboError(f"{where}: 'file' must name a file inside the checkpoint folder, got {name!r}; {fix}")
+    if entry.get("key_transform") not in KEY_TRANSFORMS:
+        raise LiteturboError(f"{where}: unknown key_transform {entry.get('key_transform')!r} (this liteturbo reads "
+                             f"{', '.join(KEY_TRANSFORMS)}); {fix}")
+    path = Path(folder) / name
     if not path.is_file():
         raise LiteturboError(f"the KV parameter file {path} named in config.json is missing; {fix}")
     from safetensors import SafetensorError
@@ -66,10 +77,21 @@ def load_kv_params(folder: Path, config: dict) -> KVQuantParams | None:
         t = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
         raise LiteturboError(f"cannot read the KV parameter file {path} ({e}); it is damaged: {fix}") from None
-    if "k_shift" not in t or "k_scale" not in t:
-        raise LiteturboError(f"the KV parameter file {path} lacks k_shift/k_scale; {fix}")
+    rotated = entry["key_transform"].endswith("+hadamard")
+    names = ("k_shift", "k_scale") + (("k_rotate", "v_rotate") if rotated else ())
+    missing = [n for n in names if n not in t]
+    if missing:
+        raise LiteturboError(f"the KV parameter file {path} lacks {', '.join(missing)}; {fix}")
+    for n in ("k_rotate", "v_rotate"):
+        if n in t and not bool(((t[n] == 0) | (t[n] == 1)).all()):
+            raise LiteturboError(f"the KV parameter file {path}: {n} must hold 0 or 1; {fix}")
     try:
-        return KVQuantParams(t["k_shift"].to(torch.float32), t["k_scale"].to(torch.float32), t.get("k_rotate"),
-                             t.get("v_rotate"))
+        params = KVQuantParams(t["k_shift"].to(torch.float32), t["k_scale"].to(torch.float32), t.get("k_rotate"),
+                               t.get("v_rotate"))
     except ValueError as e:
         raise LiteturboError(f"the KV parameter file {path} is invalid ({e}); {fix}") from None
+    stated = tuple(entry.get(k) for k in ("num_layers", "num_kv_heads", "head_dim"))
+    if stated != tuple(params.k_shift.shape):
+        raise LiteturboError(f"{where} states layers/kv heads/head_dim {stated} but {path} holds "
+                             f"{tuple(params.k_shift.shape)}; {fix}")
+    return params
