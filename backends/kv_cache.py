@@ -315,31 +315,15 @@ class PagedKVCache:
             if k.dtype != self.compute_dtype:
                 k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
             return k, v
-        if self.compute_dtype == torch.float32:
-            k = self._dequant(self.k[layer], self.k_scale[layer], self.k_zero[layer], slots)
-            v = self._dequant(self.v[layer], self.v_scale[layer], self.v_zero[layer], slots)
-            return k, v
-        return (self._dequant_16(self.k[layer], self.k_scale[layer], self.k_zero[layer], slots),
-                self._dequant_16(self.v[layer], self.v_scale[layer], self.v_zero[layer], slots))
+        k = self._dequant(self.k[layer], self.k_scale[layer], self.k_zero[layer], slots)
+        v = self._dequant(self.v[layer], self.v_scale[layer], self.v_zero[layer], slots)
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
     def _dequant(self, store, scale, zero, slots) -> torch.Tensor:
         codes = store.index_select(1, slots)
         if self.spec.dtype == "int4":
             codes = unpack_int4(codes)
         return dequantize_per_token(codes, scale.index_select(1, slots), zero.index_select(1, slots))
-
-    def _dequant_16(self, store, scale, zero, slots) -> torch.Tensor:
-        """``(code - zero) * scale`` computed in the 16-bit compute dtype, in place: ``code - zero`` is exact there
-        (integers up to 255); float16 holds the stored scale exactly, bfloat16 rounds it once more (2^-9
-        relative, the size of bf16's own rounding of the result). Three passes over 2-byte data instead of
-        five over float32 (`python bench/kv.py`)."""
-        codes = store.index_select(1, slots)
-        if self.spec.dtype == "int4":
-            codes = unpack_int4(codes)
-        dt = self.compute_dtype
-        x = codes.to(dt)
-        x.sub_(zero.index_select(1, slots).to(dt).unsqueeze(-1))
-        return x.mul_(scale.index_select(1, slots).to(dt).unsqueeze(-1))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values the cache holds for ``slots [n]``, ``[n, KVH, D]`` float32, in the model's space
