@@ -2,7 +2,8 @@
 
 On CPU the W4A16 linear uses torch's fused int4 kernel ``aten._weight_int4pack_mm_for_cpu`` (weights repacked
 once by ``aten._convert_weight_to_int4pack_for_cpu``); elsewhere, or for layouts that kernel cannot take
-(bits != 4, act-order ``g_idx``, odd group sizes), it dequantizes then multiplies.
+(bits != 4, act-order ``g_idx``, odd group sizes), it dequantizes then multiplies. Attention reads the paged KV
+cache object of :mod:`backends.kv_cache` (16-bit, int8 or int4, dequantized on gather).
 """
 from __future__ import annotations
 
