@@ -230,12 +230,9 @@ class PagedKVCache:
         self.v = [torch.zeros(store, dtype=dt, device=self.device) for _ in range(spec.num_layers)]
         if spec.quantized:
             # a never-written slot dequantizes to 0 (scale 0 x (code 0 - zero 0)), never NaN
-            def scales():
-                return [torch.zeros((kvh, n), dtype=torch.float16, device=self.device) for _ in range(spec.num_layers)]
-
-            def zeros():
-                return [torch.zeros((kvh, n), dtype=torch.uint8, device=self.device) for _ in range(spec.num_layers)]
-            self.k_scale, self.k_zero, self.v_scale, self.v_zero = scales(), zeros(), scales(), zeros()
+            self.k_scale, self.k_zero, self.v_scale, self.v_zero = (
+                [torch.zeros((kvh, n), dtype=dt_, device=self.device) for _ in range(spec.num_layers)]
+                for dt_ in (torch.float16, torch.uint8, torch.float16, torch.uint8))
             if params is not None:
                 # [L, KVH, 1, D] so that they broadcast over [KVH, tokens, D]
                 self._shift = params.k_shift.to(self.device).unsqueeze(2)

@@ -52,6 +52,7 @@ def main() -> None:
     windows = [ids[i * args.seqlen:(i + 1) * args.seqlen] for i in range(args.windows)]
 
     def logprobs(e, w):
+        """float32 log-probabilities ``[len(w), vocab]`` of window ``w`` through engine ``e``'s paged cache."""
         bm, table = e.block_manager, []
         bm.ensure_capacity(table, len(w))
         try:

@@ -33,7 +33,6 @@ systems), ``config.json`` with the ``liteturbo_kv_cache`` entry, the parameter f
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -50,7 +49,6 @@ from backends.kv_cache import KVQuantParams, dequantize_per_token, hadamard, qua
 
 from .formats import (KV_CONFIG_FIELD, KV_PARAMS_FILE, LiteturboError, arch_spec, atomic_output_dir,
                       check_output_dir, kv_config_block, load_config, resolve_model, save_kv_params, write_json)
-from .formats.checkpoint import weight_files
 
 
 @dataclass
@@ -91,11 +89,9 @@ class KVCalibConfig:
 
     def torch_device(self) -> torch.device:
         """The compute device (``auto`` = cuda when available)."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise LiteturboError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
-        return torch.device(self.device)
+        from .pipeline import resolve_device
+
+        return resolve_device(self.device)
 
 
 @dataclass
@@ -171,12 +167,14 @@ def search_key_transform(keys: torch.Tensor, windows: list[tuple[torch.Tensor, t
     denom = sum(float(r.square().sum()) for r in refs) or 1.0
 
     def loss(shift: torch.Tensor, scale: torch.Tensor, rotate: bool) -> float:
+        """Relative attention-output error with keys stored under this transform (values exact)."""
         err = 0.0
         for (q, k, v), ref in zip(windows, refs):
             err += float((_attend(q, fake_quantize_keys(k, shift, scale, bits, rotate), v) - ref).square().sum())
         return err / denom
 
     def v_loss(rotate: bool) -> float:
+        """Relative attention-output error with values stored plain or rotated (keys exact)."""
         err = 0.0
         for (q, k, v), ref in zip(windows, refs):
             err += float((_attend(q, k, fake_quantize_values(v, bits, rotate)) - ref).square().sum())
@@ -234,12 +232,6 @@ def layer_qkv(layer, hidden: torch.Tensor, kw: dict, qk_norm: bool) -> tuple[tor
     return q[0].float(), k[0].float(), v[0].float()
 
 
-def _fingerprint(cfg: KVCalibConfig, source: Path) -> str:
-    files = [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in weight_files(source)]
-    blob = json.dumps({"cfg": asdict(cfg), "src": str(source.resolve()), "files": files}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
@@ -261,7 +253,7 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
     from transformers import AutoTokenizer
 
     from .calibration import calibration_samples, check_calib_seqlen
-    from .pipeline import LazyCheckpoint, _run_layer, peak_memory_gib
+    from .pipeline import LazyCheckpoint, _run_layer, open_partial, peak_memory_gib, run_fingerprint
 
     t0 = time.perf_counter()
     src = resolve_model(model)
@@ -277,20 +269,8 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
     tok = AutoTokenizer.from_pretrained(str(src))
     samples = calibration_samples(tok, cfg.calib_dataset, cfg.calib_samples, cfg.calib_seqlen, cfg.seed)
 
-    partial = out.parent / f"{out.name}.partial"
-    fp = _fingerprint(cfg, src)
-    state_file = partial / "state.json"
-    if partial.exists():
-        state = json.loads(state_file.read_text()) if state_file.is_file() else {}
-        if resume and state.get("fingerprint") != fp:
-            raise LiteturboError(f"{partial} was made with different options or source weights; rerun without "
-                                 f"--resume to start over")
-        if not resume:
-            shutil.rmtree(partial)
-    elif resume:
-        print(f"[liteturbo] nothing to resume in {partial}; starting from layer 0", file=sys.stderr)
-    partial.mkdir(parents=True, exist_ok=True)
-    write_json(state_file, {"fingerprint": fp, "config": asdict(cfg), "source": str(src)})
+    partial = open_partial(out, run_fingerprint(asdict(cfg), src), {"config": asdict(cfg), "source": str(src)},
+                           resume)
     inps, kws = lazy.capture_inputs(samples)
     n_tok = sum(x.shape[1] for x in inps)
     shifts, scales, k_rot, v_rot, report, reused = [], [], [], [], [], 0

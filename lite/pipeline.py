@@ -104,17 +104,48 @@ class PipelineConfig:
 
     def torch_device(self) -> torch.device:
         """The compute device (``auto`` = cuda when available)."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise LiteturboError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
-        return torch.device(self.device)
+        return resolve_device(self.device)
 
     def fingerprint(self, source: Path) -> str:
         """Hash of the options and the source weights' names/sizes/mtimes (what --resume must match)."""
-        files = [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in weight_files(source)]
-        blob = json.dumps({"cfg": asdict(self), "src": str(source.resolve()), "files": files}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return run_fingerprint(asdict(self), source)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``--device`` of a lite command → torch device (``auto`` = cuda when available). Raises ``LiteturboError``
+    when cuda is asked for without a GPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LiteturboError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    return torch.device(device)
+
+
+def run_fingerprint(options: dict, source: Path) -> str:
+    """Hash of a run's options and the source weights' names/sizes/mtimes (what ``--resume`` must match)."""
+    files = [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in weight_files(source)]
+    blob = json.dumps({"cfg": options, "src": str(source.resolve()), "files": files}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def open_partial(out: Path, fingerprint: str, state: dict, resume: bool) -> Path:
+    """The ``<out>.partial`` folder that keeps finished layers of a run: reused when ``resume`` and its
+    fingerprint matches (``LiteturboError`` when it does not), otherwise started empty; ``state`` (with the
+    fingerprint) is written to its ``state.json``."""
+    partial = out.parent / f"{out.name}.partial"
+    state_file = partial / "state.json"
+    if partial.exists():
+        old = json.loads(state_file.read_text()) if state_file.is_file() else {}
+        if resume and old.get("fingerprint") != fingerprint:
+            raise LiteturboError(f"{partial} was made with different options or source weights; rerun without "
+                                 f"--resume to start over")
+        if not resume:
+            shutil.rmtree(partial)
+    elif resume:
+        print(f"[liteturbo] nothing to resume in {partial}; starting from layer 0", file=sys.stderr)
+    partial.mkdir(parents=True, exist_ok=True)
+    write_json(state_file, dict(state, fingerprint=fingerprint))
+    return partial
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -511,20 +542,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
         tok = AutoTokenizer.from_pretrained(str(src))
         samples = calibration_samples(tok, cfg.calib_dataset, cfg.calib_samples, cfg.calib_seqlen, cfg.seed)
 
-    partial = out.parent / f"{out.name}.partial"
-    fp = cfg.fingerprint(src)
-    state_file = partial / "state.json"
-    if partial.exists():
-        state = json.loads(state_file.read_text()) if state_file.is_file() else {}
-        if resume and state.get("fingerprint") != fp:
-            raise LiteturboError(f"{partial} was made with different options or source weights; rerun without "
-                                 f"--resume to start over")
-        if not resume:
-            shutil.rmtree(partial)
-    elif resume:
-        print(f"[liteturbo] nothing to resume in {partial}; starting from layer 0", file=sys.stderr)
-    partial.mkdir(parents=True, exist_ok=True)
-    write_json(state_file, {"fingerprint": fp, "config": asdict(cfg), "source": str(src)})
+    partial = open_partial(out, cfg.fingerprint(src), {"config": asdict(cfg), "source": str(src)}, resume)
 
     inps, kws = [], []
     if samples:

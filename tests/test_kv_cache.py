@@ -196,8 +196,7 @@ def test_calibrate_kv_on_outlier_keys_beats_online_int4_and_refuses_bad_params(t
     assert engines["cal"].stats()["kv_calibrated"] and not engines["online"].stats()["kv_calibrated"]
 
     def logprobs(e):
-        from turbo.perplexity import window_nll  # noqa: F401  (same paged path as eval-ppl)
-        from turbo.engine import StepInput
+        from turbo.engine import StepInput  # the engine's paged path, as eval-ppl uses it
 
         bm, table = e.block_manager, []
         bm.ensure_capacity(table, len(ids))
@@ -435,7 +434,7 @@ def test_kv_parameter_entries_that_lie_are_refused(tmp_path):
         return d
 
     for d, needle in [
-        (variant("outside", lambda e: dict(e, file=f"../cal/kv_cache_params.safetensors")), "inside the checkpoint"),
+        (variant("outside", lambda e: dict(e, file="../cal/kv_cache_params.safetensors")), "inside the checkpoint"),
         (variant("dot", lambda e: dict(e, file=".")), "inside the checkpoint"),
         (variant("magic", lambda e: dict(e, key_transform="magic")), "unknown key_transform 'magic'"),
         (variant("heads", lambda e: dict(e, num_kv_heads=4)), r"states layers/kv heads/head_dim \(2, 4, 16\)"),

@@ -340,6 +340,7 @@ class Engine:
         import warnings
 
         def drop(why: str) -> "Session":
+            """Warn that the saved KV is not used (``why``) and return the session, which will recompute."""
             warnings.warn(f"{path}: the saved KV cache is not used ({why}); the {len(token_ids)} tokens of history are "
                           f"recomputed on the next turn", stacklevel=3)
             return s
