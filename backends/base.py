@@ -25,6 +25,26 @@ class Backend(ABC):
         # chosen per token, never by the step's row count), at some speed cost; as vLLM's batch-invariant mode
         self.batch_invariant = batch_invariant
 
+    @classmethod
+    def unsupported_reason(cls, platform) -> str | None:
+        """``None`` when this backend runs on ``platform`` (a :class:`~backends.platform.Platform`), else why not
+        and what would fix it (one sentence, shown to users)."""
+        return None
+
+    @classmethod
+    def op_coverage(cls, platform=None) -> dict[str, str]:
+        """Which implementation runs each op on ``platform`` (a :class:`~backends.platform.Platform`; ``None``:
+        wherever the backend runs), for ``liteturbo env``: op name → a short phrase. The keys are the ops the model
+        runner calls: ``linear``, ``w4a16_linear``, ``w8a16_linear``, ``rms_norm``, ``add_rms_norm``,
+        ``silu_and_mul``, ``rotary``, ``attention``, ``kv_write_int8``, ``kv_write_int4``. This default describes
+        the generic methods above; backends override the entries they implement themselves."""
+        generic = "torch reference (Backend default)"
+        return {"linear": generic, "w4a16_linear": "backend-specific (abstract)", "w8a16_linear": generic,
+                "rms_norm": "backend-specific (abstract)", "add_rms_norm": "rms_norm after an unfused add",
+                "silu_and_mul": generic, "rotary": "backend-specific (abstract)",
+                "attention": "backend-specific (abstract)", "kv_write_int8": "torch reference (PagedKVCache.write)",
+                "kv_write_int4": "torch reference (PagedKVCache.write)"}
+
     # --- linear layers -------------------------------------------------------------------------
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Any:
         """Dense weight ``[out, in]`` → handle for :meth:`linear`."""
@@ -60,6 +80,18 @@ class Backend(ABC):
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm (Zhang & Sennrich 2019) over the last dim, statistics in float32."""
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = residual + x`` (rounded to ``x.dtype``) and ``rms_norm(h)`` → ``(normed, h)``, both ``[T, hidden]``.
+        Backends may fuse the two (one read of ``h``)."""
+        h = residual + x
+        return self.rms_norm(h, weight, eps), h
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) → ``[T, I]`` in its dtype (SwiGLU, Shazeer 2020)."""
+        inter = gate_up.shape[-1] // 2
+        return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
     @abstractmethod
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:

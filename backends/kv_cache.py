@@ -268,12 +268,7 @@ class PagedKVCache:
             self.k[layer].index_copy_(1, slots, kt.to(self.k[layer].dtype))
             self.v[layer].index_copy_(1, slots, vt.to(self.v[layer].dtype))
             return
-        if self.params is not None:
-            kt = (kt.float() - self._shift[layer]) / self._cscale[layer]
-            if self._k_rot[layer]:
-                kt = kt @ self._h
-            if self._v_rot[layer]:
-                vt = vt.float() @ self._h
+        kt, vt = self.stored_space(layer, kt, vt)
         for x, store, sc, zp in ((kt, self.k, self.k_scale, self.k_zero), (vt, self.v, self.v_scale, self.v_zero)):
             codes, scale, zero = quantize_per_token(x, self.spec.bits)
             if self.spec.dtype == "int4":
@@ -281,6 +276,18 @@ class PagedKVCache:
             store[layer].index_copy_(1, slots, codes)
             sc[layer].index_copy_(1, slots, scale)
             zp[layer].index_copy_(1, slots, zero)
+
+    def stored_space(self, layer: int, kt: torch.Tensor, vt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[KVH, T, D]`` mapped into the space they are quantized in: ``H((k - shift) / scale)``
+        and ``H v`` for calibrated layers (float32), unchanged otherwise."""
+        if self.params is None:
+            return kt, vt
+        kt = (kt.float() - self._shift[layer]) / self._cscale[layer]
+        if self._k_rot[layer]:
+            kt = kt @ self._h
+        if self._v_rot[layer]:
+            vt = vt.float() @ self._h
+        return kt, vt
 
     def attention_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """``q [T, H, D]`` in the space of :meth:`gather`'s keys (same dtype): for calibrated keys

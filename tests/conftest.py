@@ -7,6 +7,15 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def usable_backends() -> list[str]:
+    """Backends that run on this machine's default device (torch always; triton on a GPU or interpreted)."""
+    from backends import current_platform
+
+    return current_platform("auto").usable_backends()
 
 
 def run_turbo_logits(model, token_chunks: list[list[int]], block_size: int = 4, num_blocks: int = 64,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backends.platform import Platform, current_platform
 from lite.formats import LiteturboError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -43,8 +44,11 @@ QUANT_POLICY = {0: "auto", 8: "int8", 4: "int4"}  # LMDeploy's --quant-policy va
 class EngineConfig:
     """Engine options.
 
-    backend: ``"auto"`` or a registered backend name. device: ``"cpu"``, ``"cuda"``, ... dtype: compute dtype,
-    ``"auto"`` = bfloat16 where the CPU has native bf16 (else float32), float16 on GPUs.
+    backend: ``"auto"`` (the best one for the device: Triton on CUDA/ROCm, Ascend on NPUs, torch elsewhere) or a
+    registered backend name (``torch``, ``triton``, ``ascend``). device: ``"auto"`` (a GPU, then an NPU, then the
+    CPU), ``"cpu"``, ``"cuda[:N]"``, ``"npu[:N]"``; resolved by :func:`backends.platform.current_platform`. dtype:
+    compute dtype, ``"auto"`` = the platform's default (bfloat16 where native, else float16 on accelerators and
+    float32 on CPUs).
     block_size: tokens per KV block. KV pool size, first that is set wins: ``num_blocks``; ``kv_cache_gib``
     (absolute); ``cache_max_entry_count`` (fraction of the memory left after the weights: free GPU memory, or
     available RAM on CPU, as LMDeploy's option); else ``max_kv_tokens`` (rounded up to whole blocks).
@@ -63,7 +67,7 @@ class EngineConfig:
     """
 
     backend: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"
     dtype: str = "auto"
     block_size: int = 64
     max_kv_tokens: int = 16384
@@ -119,22 +123,23 @@ class EngineConfig:
             raise LiteturboError(f"cache_max_entry_count must be in (0, 1], got {self.cache_max_entry_count}")
         if self.lm_head not in ("auto", "int8", "16bit"):
             raise LiteturboError(f"lm_head must be auto, int8 or 16bit, got {self.lm_head!r}")
-        dev = str(self.device)
-        if not (dev == "cpu" or dev.startswith("cuda")):
-            raise LiteturboError(f"device must be cpu or cuda[:N], got {dev!r}")
-        if dev.startswith("cuda") and not torch.cuda.is_available():
-            raise LiteturboError("device cuda was asked for but no CUDA GPU is available; use device='cpu'")
+        self.platform()  # an unknown device, or one this machine lacks, fails here
         if self.session_len is not None and self.session_len <= 1:
             raise LiteturboError(f"session_len must be > 1, got {self.session_len}")
+
+    def platform(self) -> Platform:
+        """The :class:`~backends.platform.Platform` of ``device``. Raises ``LiteturboError`` for an unknown device or
+        one this machine lacks."""
+        try:
+            return current_platform(self.device)
+        except ValueError as e:
+            raise LiteturboError(str(e)) from None
 
     def torch_dtype(self) -> torch.dtype:
         """The resolved compute dtype for ``device``."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
-        if torch.device(self.device).type == "cpu":
-            bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
-            return torch.bfloat16 if bf16 else torch.float32
-        return torch.float16
+        return self.platform().default_dtype()
 
     def kv_storage_dtype(self) -> str:
         """The resolved KV cache storage dtype name (``"auto"`` → the compute dtype)."""

@@ -151,16 +151,25 @@ class LlamaModel:
     @classmethod
     def from_pretrained(cls, path: Path, backend: Backend, dtype: torch.dtype,
                         lm_head_int8: bool = False) -> "LlamaModel":
-        """Load a 16/32-bit or W4A16 (AWQ GEMM) checkpoint folder. Raises ``LiteturboError`` on bad input.
+        """Load a 16/32-bit or W4A16 (AWQ, GPTQ, compressed-tensors) checkpoint folder, streaming it layer by layer.
+
+        Tensors are read one at a time (:class:`~lite.formats.checkpoint.LazyStateDict`); each decoder layer's
+        quantized linears are unpacked, handed to the backend (which repacks them once into its own layout on its
+        device) and the host copies dropped before the next layer is read, so peak host memory stays near the
+        final footprint plus one layer (``bench/load_memory.py``). Shapes, the set of layers and quantized tensors
+        outside the decoder are checked against config.json from the headers before any weight is read.
 
         ``lm_head_int8`` runs the output projection as weight-only int8 (per output channel), as llama.cpp
         does with Q8_0 output weights; the input embedding table stays in ``dtype``.
+        Raises ``LiteturboError`` on bad input (missing or misshaped tensors, layers beyond
+        ``num_hidden_layers``, partly quantized fused linears, unreadable files).
         """
+        from lite.formats import LazyStateDict, quantized_prefixes
+
         raw = load_config(path)
         cfg = ModelConfig.from_dict(raw)
         qspec = quantization_spec(raw)
-        sd = load_state_dict(path)
-        qlinears = load_quantized_linears(sd, qspec) if qspec else {}
+        sd = LazyStateDict(path)
         model = cls(cfg, backend, dtype, qspec.method if qspec else None)
         dev = backend.device
 
@@ -182,7 +191,27 @@ class LlamaModel:
         expected_in = {"o_proj": cfg.num_heads * hd, "down_proj": inter}
         fields = "hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size"
 
-        def linear(prefixes: list[str], bias: bool) -> Linear:
+        # checks that need only the headers, before any weight is read
+        extra_layers = sorted({k.split(".")[2] for k in sd if k.startswith("model.layers.")}
+                              - {str(i) for i in range(cfg.num_layers)}, key=lambda s: (len(s), s))
+        if extra_layers:
+            raise LiteturboError(f"the weights hold decoder layers beyond num_hidden_layers={cfg.num_layers} in "
+                                 f"config.json (e.g. layer {extra_layers[0]}); config.json does not belong to these "
+                                 f"weights")
+        if qspec:
+            outside = sorted(p for p in quantized_prefixes(sd, qspec) if not p.startswith("model.layers."))
+            if outside:
+                raise LiteturboError(f"quantized tensors outside the decoder linears are not supported: {outside[:3]}")
+        embed_name = "model.embed_tokens.weight"
+        if embed_name not in sd:
+            raise LiteturboError(f"checkpoint {path} lacks tensor {embed_name!r}")
+        check(embed_name, sd.shape(embed_name), (cfg.vocab_size, h), "vocab_size, hidden_size")
+        if "lm_head.weight" in sd:
+            check("lm_head.weight", sd.shape("lm_head.weight"), (cfg.vocab_size, h), "vocab_size, hidden_size")
+        elif not cfg.tie_word_embeddings:
+            raise LiteturboError(f"checkpoint {path} lacks lm_head.weight and does not tie word embeddings")
+
+        def linear(prefixes: list[str], bias: bool, qlinears: dict) -> Linear:
             """One (fused) linear from the named projections, shape-checked; W4A16 if they are quantized."""
             for p in prefixes:
                 short = p.rsplit(".", 1)[-1]
@@ -190,7 +219,7 @@ class LlamaModel:
                 if p in qlinears:
                     check(p, (qlinears[p].out_features, qlinears[p].in_features), want, fields)
                 elif f"{p}.weight" in sd:
-                    check(f"{p}.weight", sd[f"{p}.weight"].shape, want, fields)
+                    check(f"{p}.weight", sd.shape(f"{p}.weight"), want, fields)
             if all(p in qlinears for p in prefixes):
                 parts = [qlinears.pop(p) for p in prefixes]
                 try:
@@ -207,55 +236,53 @@ class LlamaModel:
 
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
+            # only this layer's tensors are read; its host copies die with these locals before the next layer
+            qlinears = load_quantized_linears(sd, qspec, prefix=f"{p}.") if qspec else {}
             layer = Layer(
                 input_norm=take(f"{p}.input_layernorm.weight").to(dev, dtype),
                 post_norm=take(f"{p}.post_attention_layernorm.weight").to(dev, dtype),
-                qkv=linear([f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj", f"{p}.self_attn.v_proj"], cfg.qkv_bias),
-                o=linear([f"{p}.self_attn.o_proj"], cfg.o_bias),
-                gate_up=linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], cfg.mlp_bias),
-                down=linear([f"{p}.mlp.down_proj"], cfg.mlp_bias),
+                qkv=linear([f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj", f"{p}.self_attn.v_proj"], cfg.qkv_bias,
+                           qlinears),
+                o=linear([f"{p}.self_attn.o_proj"], cfg.o_bias, qlinears),
+                gate_up=linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], cfg.mlp_bias, qlinears),
+                down=linear([f"{p}.mlp.down_proj"], cfg.mlp_bias, qlinears),
                 q_norm=take(f"{p}.self_attn.q_norm.weight").to(dev, dtype) if cfg.qk_norm else None,
                 k_norm=take(f"{p}.self_attn.k_norm.weight").to(dev, dtype) if cfg.qk_norm else None,
             )
+            if qlinears:
+                raise LiteturboError(f"quantized tensors outside the decoder linears are not supported: "
+                                     f"{sorted(qlinears)[:3]}")
+            unused = [k for k in sd if k.startswith(f"{p}.")]
+            if unused:
+                raise LiteturboError(f"decoder layer {i} holds tensors a {cfg.model_type} model with this config.json "
+                                     f"does not use (e.g. {unused[0]!r}); config.json does not belong to these weights")
             model.layers.append(layer)
-        model.embed = take("model.embed_tokens.weight").to(dev, dtype)
-        check("model.embed_tokens.weight", model.embed.shape, (cfg.vocab_size, h), "vocab_size, hidden_size")
+        model.embed = take(embed_name).to(dev, dtype)
         model.norm = take("model.norm.weight").to(dev, dtype)
         lm = sd.pop("lm_head.weight", None)
-        if lm is None and not cfg.tie_word_embeddings:
-            raise LiteturboError(f"checkpoint {path} lacks lm_head.weight and does not tie word embeddings")
         head = model.embed if lm is None else lm.to(dev, dtype)
-        check("lm_head.weight", head.shape, (cfg.vocab_size, h), "vocab_size, hidden_size")
+        del lm
         if lm_head_int8:
             model.lm_head = Linear(backend, backend.prepare_w8a16(head, dtype), "w8a16", head.shape[0])
         else:
             model.lm_head = Linear(backend, (head, None), None, head.shape[0])
-        extra_layers = sorted({k.split(".")[2] for k in list(qlinears) + list(sd) if k.startswith("model.layers.")})
-        if extra_layers:
-            raise LiteturboError(f"the weights hold decoder layers beyond num_hidden_layers={cfg.num_layers} in "
-                                 f"config.json (e.g. layer {extra_layers[0]}); config.json does not belong to these "
-                                 f"weights")
-        if qlinears:
-            raise LiteturboError(f"quantized tensors outside the decoder linears are not supported: {sorted(qlinears)[:3]}")
         return model
 
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta: AttentionMetadata, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step; see the class docstring for shapes. Raises ``LiteturboError`` past the context."""
+        """Run one step; see the class docstring for shapes. No host synchronization: the caller checks positions
+        against :meth:`check_positions` on the host before."""
         cfg, be = self.cfg, self.backend
         t = input_ids.shape[0]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = nh * hd, nkv * hd
-        if int(positions.max()) >= self.cos_sin[0].shape[0]:
-            raise LiteturboError(f"position {int(positions.max())} exceeds max_position_embeddings="
-                                 f"{cfg.max_position_embeddings}")
         h = self.embed[input_ids]
         cos = self.cos_sin[0][positions].unsqueeze(1).to(self.dtype)  # [T, 1, D]
         sin = self.cos_sin[1][positions].unsqueeze(1).to(self.dtype)
+        x = be.rms_norm(h, self.layers[0].input_norm, cfg.rms_norm_eps) if self.layers else h
         for i, layer in enumerate(self.layers):
-            x = be.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
             q = qkv[:, :q_size].view(t, nh, hd)
             k = qkv[:, q_size:q_size + kv_size].view(t, nkv, hd)
@@ -266,12 +293,20 @@ class LlamaModel:
             q, k = be.rotary(q, k, cos, sin)
             kv_cache.write(i, k, v, meta.slot_mapping)
             a = be.attention(q, kv_cache, i, meta, self.scale)
-            h = h + layer.o(a.reshape(t, q_size))
-            x = be.rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gu = layer.gate_up(x)
-            inter = gu.shape[-1] // 2
-            h = h + layer.down(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:])
+            x, h = be.add_rms_norm(layer.o(a.reshape(t, q_size)), h, layer.post_norm, cfg.rms_norm_eps)
+            y = layer.down(be.silu_and_mul(layer.gate_up(x)))
+            if i + 1 < len(self.layers):  # the residual add fused with the next layer's input norm
+                x, h = be.add_rms_norm(y, h, self.layers[i + 1].input_norm, cfg.rms_norm_eps)
+            else:
+                h = h + y
         if logits_rows is not None:
             h = h[logits_rows]
         h = be.rms_norm(h, self.norm, cfg.rms_norm_eps)
         return self.lm_head(h).float()
+
+    def check_positions(self, max_position: int) -> None:
+        """Raise ``LiteturboError`` when ``max_position`` (host int) is past the rotary table
+        (``max_position_embeddings``)."""
+        if max_position >= self.cos_sin[0].shape[0]:
+            raise LiteturboError(f"position {max_position} exceeds max_position_embeddings="
+                                 f"{self.cfg.max_position_embeddings}")

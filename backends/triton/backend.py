@@ -1,0 +1,242 @@
+"""TritonBackend: the torch reference with Triton kernels where they matter on a GPU.
+
+- W4A16 linears: weights repacked once at load into :func:`~backends.triton.kernels.pack_w4` (int32 words along
+  K, scales in the compute dtype, uint8 zero points; act-order ``g_idx`` turned into an input permutation when
+  its groups are regular, else read per channel); inputs with fewer than ``dequant_min_rows`` rows run the fused
+  kernel (split-K when the output tiles alone cannot fill the GPU), larger ones dequantize into a dense weight and
+  call ``torch.matmul`` (cuBLAS).
+- Attention: decode rows (and, with ``batch_invariant``, every row) run the paged attention kernel over the block
+  tables, dequantizing int8/int4 KV in the kernel; multi-token prefill sequences use the torch reference's SDPA.
+- The KV cache is the torch backend's :class:`~backends.kv_cache.PagedKVCache` layout; int8/int4 writes
+  quantize in a kernel (bit-identical to :func:`~backends.kv_cache.quantize_per_token`).
+- RMSNorm (fused with the residual add) and SiLU-and-mul run as kernels on rows with a contiguous last dim.
+
+The crossover and split-K choices are heuristics not yet tuned on a GPU (`bench/kernels.py` measures them;
+`bench/gpu.sh` runs it on a lent GPU).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..kv_cache import KVCacheSpec, KVQuantParams, PagedKVCache
+from ..platform import triton_interpret
+from ..torch_backend import TorchBackend, act_order_permutation
+from ..types import AttentionMetadata, QuantizedWeight
+
+
+def triton_version() -> str | None:
+    """The installed triton's version, or None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    return importlib.import_module("triton").__version__
+
+
+def _kernels():
+    from . import kernels
+
+    return kernels
+
+
+@dataclass
+class TritonW4Handle:
+    """A W4A16 weight in the kernels' layout: qweight int32 ``[ceil(K/8), N]``, scales ``[groups, N]`` (compute
+    dtype), zeros uint8 ``[groups, N]``, g_idx int32 ``[K]`` or None, in_perm int64 ``[K]`` or None (inputs are
+    permuted by it first), bias ``[N]`` or None."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor | None
+    in_perm: torch.Tensor | None
+    group_size: int
+    n: int
+    k: int
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+
+class TritonCache(PagedKVCache):
+    """The paged KV cache with quantizing writes done by a Triton kernel (same layout and numbers)."""
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """See :meth:`PagedKVCache.write`."""
+        if not self.spec.quantized:
+            return super().write(layer, k, v, slots)
+        kern = _kernels()
+        kt, vt = self.stored_space(layer, k.transpose(0, 1), v.transpose(0, 1))  # [KVH, T, D]
+        for x, store, sc, zp in ((kt, self.k, self.k_scale, self.k_zero), (vt, self.v, self.v_scale, self.v_zero)):
+            kern.kv_write_quantized(x.transpose(0, 1), slots, store[layer], sc[layer], zp[layer], self.spec.bits)
+
+
+class TritonBackend(TorchBackend):
+    """Triton kernels on CUDA/ROCm (or in Triton's interpreter on CPU, for tests).
+
+    ``dequant_min_rows``: inputs with at least this many rows dequantize the W4A16 weight and run a dense GEMM
+    (not measured on a GPU yet; 128 is where AutoAWQ and vLLM's AWQ path switch). ``split_k``: fixed split-K
+    factor for the fused GEMM, ``None`` = chosen per call from the tile count and the GPU's multiprocessors.
+    ``fused_elementwise``: RMSNorm/SiLU kernels on (else the torch reference ops).
+    """
+
+    name = "triton"
+
+    def __init__(self, device: torch.device | str = "cuda", batch_invariant: bool = False,
+                 dequant_min_rows: int = 128, split_k: int | None = None, fused_elementwise: bool = True) -> None:
+        super().__init__(device, int4_kernel=False, batch_invariant=batch_invariant)
+        self.kernels = _kernels()
+        never = 1 << 62
+        self.w4_dequant_min_rows = never if batch_invariant else dequant_min_rows
+        self.split_k = split_k
+        self.fused_elementwise = fused_elementwise
+        self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                     if self.device.type == "cuda" else 1)
+
+    @classmethod
+    def unsupported_reason(cls, platform) -> str | None:
+        """Needs triton, and a CUDA/ROCm GPU or ``TRITON_INTERPRET=1`` on CPU."""
+        if triton_version() is None:
+            return "triton is not installed; pip install triton (Linux), or use backend='torch'"
+        if platform.kind in ("cuda", "rocm"):
+            return None
+        if platform.kind == "cpu":
+            if triton_interpret():
+                return None
+            return ("Triton kernels need a CUDA or ROCm GPU; on a CPU they run only in Triton's interpreter "
+                    "(TRITON_INTERPRET=1, slow, for testing); use backend='torch'")
+        return f"Triton does not target {platform.kind} here; use backend='ascend' or 'torch'"
+
+    # --- W4A16 ---------------------------------------------------------------------------------------------
+    def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
+        """Repack for the fused kernel (4-bit only; other widths use the torch reference's dequantize path)."""
+        if qw.bits != 4:
+            return super().prepare_w4a16(qw, dtype)
+        dev = self.device
+        perm = act_order_permutation(qw)
+        codes = qw.qweight if perm is None else qw.qweight[:, perm]
+        g_idx = None
+        if perm is None and not qw.has_trivial_g_idx():
+            g_idx = qw.g_idx.to(dev, torch.int32).contiguous()
+        bias = None if qw.bias is None else qw.bias.to(dev, dtype)
+        return TritonW4Handle(self.kernels.pack_w4(codes).to(dev), qw.scales.to(dev, dtype).contiguous(),
+                              qw.qzeros.to(dev, torch.uint8).contiguous(), g_idx,
+                              None if perm is None else perm.to(dev), qw.effective_group_size, qw.out_features,
+                              qw.in_features, bias, dtype)
+
+    def _split_k(self, m: int, n: int, k: int) -> int:
+        if self.split_k is not None:
+            return self.split_k
+        if self.device.type != "cuda" or m > 64:
+            return 1
+        tiles = -(-m // 16) * -(-n // 64)
+        # enough programs for ~2 waves over the multiprocessors, each keeping >= 512 input channels
+        return max(1, min(-(-2 * self._sms // tiles), k // 512, 16))
+
+    def w4a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
+        """See :meth:`Backend.w4a16_linear`."""
+        if not isinstance(handle, TritonW4Handle):
+            return super().w4a16_linear(x, handle)
+        h = handle
+        xin = x if x.dtype == h.dtype else x.to(h.dtype)
+        if h.in_perm is not None:
+            xin = xin.index_select(-1, h.in_perm)
+        xin = xin.reshape(-1, h.k)
+        if xin.stride(-1) != 1:
+            xin = xin.contiguous()
+        m = xin.shape[0]
+        if m >= self.w4_dequant_min_rows:
+            w = self.kernels.dequantize_w4(h.qweight, h.scales, h.zeros, h.group_size, h.n, h.k, h.dtype, h.g_idx)
+            y = torch.matmul(xin, w)
+            if h.bias is not None:
+                y += h.bias
+        else:
+            y = self.kernels.w4a16_gemm(xin, h.qweight, h.scales, h.zeros, h.group_size, h.n, h.k, h.g_idx, h.bias,
+                                        split_k=self._split_k(m, h.n, h.k))
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    # --- elementwise ----------------------------------------------------------------------------------------
+    def _rows(self, x: torch.Tensor) -> bool:
+        return self.fused_elementwise and x.dim() == 2 and x.stride(-1) == 1
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Kernel on 2-D rows; the torch reference otherwise (e.g. Qwen3's per-head q/k norms)."""
+        if not self._rows(x):
+            return super().rms_norm(x, weight, eps)
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        """``residual + x`` and its RMSNorm in one kernel (see :meth:`Backend.add_rms_norm`)."""
+        if not (self._rows(x) and self._rows(residual)):
+            return super().add_rms_norm(x, residual, weight, eps)
+        return self.kernels.rms_norm(x, weight, eps, residual=residual)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's ``silu(gate) * up`` in one kernel."""
+        if not self._rows(gate_up):
+            return super().silu_and_mul(gate_up)
+        return self.kernels.silu_and_mul(gate_up)
+
+    # --- paged KV -------------------------------------------------------------------------------------------
+    def allocate_kv_cache(self, spec: KVCacheSpec, compute_dtype: torch.dtype,
+                          params: KVQuantParams | None = None) -> PagedKVCache:
+        """A :class:`TritonCache` (the reference layout; int8/int4 writes quantize in a kernel)."""
+        return TritonCache(spec, self.device, compute_dtype, params)
+
+    def attention(self, q, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Decode rows (every row with ``batch_invariant``) through the paged attention kernel; multi-token
+        sequences through the torch reference's SDPA over gathered K/V."""
+        plan = meta.scratch.get("triton_attn")
+        if plan is None:
+            plan = meta.scratch["triton_attn"] = self._plan(meta, q.device)
+        rows, row_seq, row_ctx, tables, prefill = plan
+        qq = cache.attention_query(layer, q)
+        out = torch.empty_like(qq)
+        if rows is not None:
+            kv_bits = cache.spec.bits if cache.spec.quantized else 16
+            quant = (cache.k_scale[layer], cache.k_zero[layer], cache.v_scale[layer], cache.v_zero[layer]) \
+                if cache.spec.quantized else (None,) * 4
+            self.kernels.paged_attention(qq, out, cache.k[layer], cache.v[layer], *quant, rows, row_seq, row_ctx,
+                                         tables, meta.block_size, scale, kv_bits)
+        for qs, qe, slots, causal in prefill:
+            kb, vb = cache.gather(layer, slots)
+            qb = qq[qs:qe].transpose(0, 1).unsqueeze(0)
+            o = torch.nn.functional.scaled_dot_product_attention(qb, kb.unsqueeze(0), vb.unsqueeze(0),
+                                                                 is_causal=causal, scale=scale, enable_gqa=True)
+            out[qs:qe] = o.squeeze(0).transpose(0, 1)
+        return cache.attention_output(layer, out)
+
+    def _plan(self, meta: AttentionMetadata, device: torch.device):
+        """Per step: kernel rows (query row, sequence, context length), padded block tables, and the prefill
+        sequences left to SDPA (start, end, slots, causal)."""
+        bs = meta.block_size
+        rows, seqs, ctxs, prefill = [], [], [], []
+        for b in range(meta.num_seqs):
+            qs, qe = meta.query_start[b], meta.query_start[b + 1]
+            t, ctx = qe - qs, meta.context_lens[b]
+            if t == 1 or self.batch_invariant:
+                rows += range(qs, qe)
+                seqs += [b] * t
+                ctxs += range(ctx - t + 1, ctx + 1)  # query j sees keys 0 .. ctx - t + j
+                continue
+            table = torch.tensor(meta.block_tables[b][:(ctx + bs - 1) // bs], dtype=torch.long)
+            slots = (table.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[:ctx]
+            if t < ctx:  # a chunk after cached tokens: SDPA's is_causal aligns to the top-left, so use the kernel
+                rows += range(qs, qe)
+                seqs += [b] * t
+                ctxs += range(ctx - t + 1, ctx + 1)
+                continue
+            prefill.append((qs, qe, slots.to(device), True))
+        if not rows:
+            return None, None, None, None, prefill
+        width = max(1, max(len(bt) for bt in meta.block_tables))
+        tables = torch.zeros(meta.num_seqs, width, dtype=torch.int32)
+        for b, bt in enumerate(meta.block_tables):
+            tables[b, :len(bt)] = torch.tensor(bt, dtype=torch.int32)
+
+        def dev(v):
+            return torch.tensor(v, dtype=torch.int32).to(device)
+
+        return dev(rows), dev(seqs), dev(ctxs), tables.to(device), prefill
