@@ -1,7 +1,9 @@
 """Kernel backends behind one small interface, chosen through an explicit registry.
 
-``get_backend("auto" | "torch", device)`` returns a :class:`Backend`; a backend allocates the paged KV cache
-(:mod:`backends.kv_cache`: 16-bit, int8, int4) and runs the kernels over it. ``backends`` imports only torch.
+``get_backend("auto" | "torch" | "triton" | "ascend", device)`` returns a :class:`Backend`; a backend allocates the
+paged KV cache (:mod:`backends.kv_cache`: 16-bit, int8, int4) and runs the kernels over it. ``"auto"`` asks the
+device's :class:`~backends.platform.Platform` (Triton on CUDA/ROCm, Ascend on NPUs, torch elsewhere). ``backends``
+imports only torch (and triton inside :mod:`backends.triton`, only when that backend is used).
 """
 from __future__ import annotations
 
@@ -9,17 +11,21 @@ from typing import Callable
 
 import torch
 
+from .ascend import AscendBackend
 from .base import Backend
 from .kv_cache import KV_CACHE_DTYPES, KVCacheSpec, KVQuantParams, PagedKVCache
+from .platform import Platform, current_platform
 from .torch_backend import TorchBackend
+from .triton import TritonBackend
 from .types import AttentionMetadata, QuantizedWeight
 
-_REGISTRY: dict[str, Callable[..., Backend]] = {}
+_REGISTRY: dict[str, type[Backend]] = {}
 
 
-def register_backend(name: str, factory: Callable[..., Backend]) -> None:
-    """Make ``factory(device=..., **kwargs)`` available as ``get_backend(name)``."""
-    _REGISTRY[name] = factory
+def register_backend(name: str, cls: type[Backend]) -> None:
+    """Make ``cls(device=..., **kwargs)`` available as ``get_backend(name)``; ``cls.unsupported_reason(platform)``
+    says where it cannot run."""
+    _REGISTRY[name] = cls
 
 
 def available_backends() -> list[str]:
@@ -27,19 +33,32 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_backend(name: str = "auto", device: torch.device | str = "cpu", **kwargs) -> Backend:
-    """Instantiate a backend by name. ``"auto"`` picks the best registered one for ``device``.
+def backend_classes() -> dict[str, type[Backend]]:
+    """The registry: name → backend class."""
+    return dict(_REGISTRY)
 
-    Raises ``ValueError`` naming the registered backends when ``name`` is unknown.
+
+def get_backend(name: str = "auto", device: torch.device | str = "auto", **kwargs) -> Backend:
+    """Instantiate a backend by name on ``device`` (``auto``, ``cpu``, ``cuda[:N]``, ``npu[:N]``). ``"auto"`` picks
+    the best one that runs on the device (:meth:`Platform.default_backend`).
+
+    Raises ``ValueError`` naming the registered backends when ``name`` is unknown, and naming the reason and the
+    fix when the backend cannot run on ``device`` (e.g. Triton on a CPU without ``TRITON_INTERPRET=1``).
     """
+    plat = current_platform(device)
     if name == "auto":
-        name = "torch"  # the only backend registered so far; Triton/Ascend plug in here
+        name = plat.default_backend()
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(['auto'] + available_backends())}")
-    return _REGISTRY[name](device=device, **kwargs)
+    why = _REGISTRY[name].unsupported_reason(plat)
+    if why:
+        raise ValueError(f"backend {name!r} cannot run on {plat.kind} ({plat.device}): {why}")
+    return _REGISTRY[name](device=plat.device, **kwargs)
 
 
 register_backend("torch", TorchBackend)
+register_backend("triton", TritonBackend)
+register_backend("ascend", AscendBackend)
 
-__all__ = ["Backend", "TorchBackend", "KV_CACHE_DTYPES", "KVCacheSpec", "KVQuantParams", "PagedKVCache", "AttentionMetadata", "QuantizedWeight", "get_backend",
+__all__ = ["Backend", "TorchBackend", "TritonBackend", "AscendBackend", "Platform", "current_platform", "backend_classes", "KV_CACHE_DTYPES", "KVCacheSpec", "KVQuantParams", "PagedKVCache", "AttentionMetadata", "QuantizedWeight", "get_backend",
            "register_backend", "available_backends"]

@@ -107,15 +107,16 @@ class Platform:
         float32 on CPUs."""
         if self.kind == "cpu":
             return torch.bfloat16 if self.supports_dtype(torch.bfloat16) else torch.float32
-        if self.kind == "npu":
-            return torch.float16
+        if self.is_gpu and self.supports_dtype(torch.bfloat16):
+            return torch.bfloat16
         return torch.float16
 
     def usable_backends(self) -> list[str]:
-        """Registered backends that can run here, best first (Triton on CUDA/ROCm, Ascend on NPUs, torch last)."""
+        """Registered backends that can run here, best first (Triton on CUDA/ROCm, Ascend on NPUs, torch last; on a
+        CPU torch first: Triton runs there only in its interpreter, for tests)."""
         from . import backend_classes
 
-        order = {"triton": 0, "ascend": 0, "torch": 9}
+        order = {"triton": 0, "ascend": 0, "torch": 0 if self.kind == "cpu" else 9}
         ok = [n for n, cls in backend_classes().items() if cls.unsupported_reason(self) is None]
         return sorted(ok, key=lambda n: (order.get(n, 5), n))
 

@@ -140,6 +140,24 @@ class TorchBackend(Backend):
         self.dequant_min_rows = never if batch_invariant else dequant_min_rows
         self.int8_tile_min_rows = never if batch_invariant else int8_tile_min_rows
 
+    @classmethod
+    def op_coverage(cls, platform=None) -> dict[str, str]:
+        """See :meth:`Backend.op_coverage`; the fused CPU kernels apply where ``platform`` is a CPU (or ``None``)."""
+        cpu = platform is None or platform.kind == "cpu"
+        ref = "torch reference"
+        return {
+            **super().op_coverage(platform),
+            "linear": "torch F.linear",
+            "w4a16_linear": ("torch int4pack kernel (aten._weight_int4pack_mm_for_cpu); dequantize + matmul for "
+                             "many rows or layouts it cannot take" if cpu else "dequantize + matmul"),
+            "w8a16_linear": ("torch int8pack kernel (aten._weight_int8pack_mm, 16-bit activations); tiled "
+                             "dequantize + matmul for many rows" if cpu else "dequantize + matmul"),
+            "rms_norm": ref, "add_rms_norm": ref + " (unfused add, then rms_norm)", "silu_and_mul": ref,
+            "rotary": ref, "attention": "torch SDPA (prefill) + batched matmul decode over the gathered paged KV",
+            "kv_write_int8": ref + " (quantize per token + index_copy)",
+            "kv_write_int4": ref + " (quantize per token, pack nibbles + index_copy)",
+        }
+
     # --- W4A16 ---------------------------------------------------------------------------------
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
         """int4pack on CPU when the layout allows (see :func:`int4pack_supported`), else a :class:`DequantHandle`."""

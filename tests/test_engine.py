@@ -124,8 +124,10 @@ def test_second_turn_while_streaming_is_refused(engine):
 
 
 def test_bad_options_are_liteturbo_errors(engine, smollm2_rtn_g64):
-    with pytest.raises(LiteturboError, match="backend"):
-        Engine(smollm2_rtn_g64, backend="triton")
+    with pytest.raises(LiteturboError, match="unknown backend 'cutlass'"):
+        Engine(smollm2_rtn_g64, backend="cutlass")
+    with pytest.raises(LiteturboError, match="needs an Ascend NPU|NPU"):
+        Engine(smollm2_rtn_g64, backend="ascend", device="cpu")
     with pytest.raises(LiteturboError, match="device"):
         Engine(smollm2_rtn_g64, device="bogus")
     with pytest.raises(LiteturboError, match="Engine option"):

@@ -1,4 +1,5 @@
-"""The ``liteturbo`` command line: ``liteturbo lite rtn|auto-awq|gptq|calibrate-kv|eval-ppl`` and ``liteturbo chat``."""
+"""The ``liteturbo`` command line: ``liteturbo lite rtn|auto-awq|gptq|calibrate-kv|eval-ppl``, ``liteturbo chat``
+and ``liteturbo env`` (hardware, versions, backends and their op coverage)."""
 from __future__ import annotations
 
 import sys
@@ -285,3 +286,132 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
                        f"{out.decode_tokens_per_s:.1f} tok/s]", err=interactive)
     if total_s > 0:
         click.echo(f"[liteturbo] decode speed over the chat: {total_tokens / total_s:.1f} tokens/s", err=interactive)
+
+
+def env_report(device: str = "auto") -> dict:
+    """What ``liteturbo env`` reports, JSON-ready: ``hardware`` (CPU name, SIMD flags, cores, RAM; GPUs and NPUs torch
+    sees), ``software`` (python, torch, CUDA/HIP, triton, transformers, torch_npu versions; ``TRITON_INTERPRET``),
+    ``platform`` (:meth:`backends.platform.Platform.describe` of ``device``) and ``backends`` (every registered
+    backend: ``usable``, ``reason`` when not, ``default``, ``ops``: its op coverage on that platform).
+    Raises ``LiteturboError`` for an unknown device or one this machine lacks."""
+    import importlib.metadata as md
+    import os
+    import platform as pyplat
+
+    import psutil
+    import torch
+
+    from backends import backend_classes
+    from backends.platform import _npu_available, cpu_flags, cpu_name, current_platform, triton_interpret
+
+    def version(dist: str) -> str:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    try:
+        plat = current_platform(device)
+    except ValueError as e:
+        raise LiteturboError(str(e)) from None
+    vm = psutil.virtual_memory()
+    gpus, npus = [], []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "kind": "rocm" if torch.version.hip else "cuda", "name": p.name,
+                         "total_memory_bytes": int(p.total_memory),
+                         "capability": f"{getattr(p, 'major', '?')}.{getattr(p, 'minor', '?')}"})
+    try:
+        npu_seen = _npu_available()
+    except (ImportError, ValueError):
+        npu_seen = False
+    if npu_seen:
+        for i in range(torch.npu.device_count()):
+            npus.append({"index": i, "name": torch.npu.get_device_name(i),
+                         "total_memory_bytes": int(torch.npu.get_device_properties(i).total_memory)})
+    hardware = {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "logical_cores": os.cpu_count(),
+                "physical_cores": psutil.cpu_count(logical=False), "torch_threads": torch.get_num_threads(),
+                "ram_total_bytes": int(vm.total), "ram_available_bytes": int(vm.available), "gpus": gpus, "npus": npus}
+    software = {"python": pyplat.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                "hip": getattr(torch.version, "hip", None), "triton": version("triton"),
+                "transformers": version("transformers"), "torch_npu": _torch_npu_version(version("torch_npu")),
+                "triton_interpret": triton_interpret(), "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
+    default = plat.default_backend()
+    backends_ = {}
+    for name, cls in backend_classes().items():
+        why = cls.unsupported_reason(plat)
+        backends_[name] = {"usable": why is None, "reason": why, "default": name == default,
+                           "ops": cls.op_coverage(plat)}
+    return {"hardware": hardware, "software": software, "platform": plat.describe(), "backends": backends_}
+
+
+def _torch_npu_version(from_metadata: str) -> str:
+    """``torch_npu``'s version: package metadata, else the importable module's ``__version__``."""
+    if from_metadata != "not installed":
+        return from_metadata
+    from backends.platform import _torch_npu
+
+    try:
+        mod = _torch_npu()
+    except (ImportError, ValueError):
+        mod = None
+    return "not installed" if mod is None else str(getattr(mod, "__version__", "installed (version unknown)"))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def format_env(r: dict) -> str:
+    """:func:`env_report` as plain aligned text (``liteturbo env`` without ``--json``)."""
+    hw, sw, pl = r["hardware"], r["software"], r["platform"]
+    lines: list[str] = []
+
+    def section(title: str, rows: list[tuple[str, str]], indent: str = "  ") -> None:
+        lines.append(title)
+        width = max(len(k) for k, _ in rows)
+        lines.extend(f"{indent}{k:<{width}}  {v}" for k, v in rows)
+
+    section("platform", [
+        ("device", f"{pl['device']} ({pl['kind']}): {pl['name']}, {_gib(pl['total_memory_bytes'])}, "
+                   f"{_gib(pl['free_memory_bytes'])} free"),
+        ("default dtype", pl["default_dtype"]),
+        ("backend auto", f"{pl['default_backend']} (usable here: {', '.join(pl['usable_backends']) or 'none'})")])
+    gpus = [f"{g['index']}: {g['name']} ({g['kind']}, {_gib(g['total_memory_bytes'])})" for g in hw["gpus"]]
+    npus = [f"{n['index']}: {n['name']} ({_gib(n['total_memory_bytes'])})" for n in hw["npus"]]
+    section("hardware", [
+        ("CPU", f"{hw['cpu']} ({hw['logical_cores']} logical / {hw['physical_cores']} physical cores, "
+                f"torch threads {hw['torch_threads']})"),
+        ("CPU flags", " ".join(hw["cpu_flags"]) or "none of the tracked SIMD flags"),
+        ("RAM", f"{_gib(hw['ram_total_bytes'])} total, {_gib(hw['ram_available_bytes'])} available"),
+        ("GPU", "; ".join(gpus) or f"none seen by torch {sw['torch']}"),
+        ("NPU", "; ".join(npus) or ("none (torch_npu not installed)" if sw["torch_npu"] == "not installed"
+                                    else "none seen by torch_npu"))])
+    interp = sw["TRITON_INTERPRET"]
+    section("software", [
+        ("python", sw["python"]),
+        ("torch", f"{sw['torch']} (CUDA {sw['cuda'] or '-'}, HIP {sw['hip'] or '-'})"),
+        ("triton", sw["triton"]), ("transformers", sw["transformers"]), ("torch_npu", sw["torch_npu"]),
+        ("TRITON_INTERPRET", f"{interp if interp is not None else 'unset'} "
+                             f"({'interpreter on' if sw['triton_interpret'] else 'interpreter off'})")])
+    section(f"backends on {pl['kind']}", [
+        (name, ("usable" + (", default" if b["default"] else "")) if b["usable"] else f"not usable: {b['reason']}")
+        for name, b in r["backends"].items()])
+    lines.append("op coverage")
+    for name, b in r["backends"].items():
+        section(f"  {name}", list(b["ops"].items()), indent="    ")
+    return "\n".join(lines)
+
+
+@main.command("env")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda[:N] or npu[:N].")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@friendly_errors
+def env(device, as_json) -> None:
+    """The hardware, library versions and every backend: usable here or why not, and which implementation runs
+    each op."""
+    import json as _json
+
+    r = env_report(device)
+    click.echo(_json.dumps(r, indent=2) if as_json else format_env(r))

@@ -193,7 +193,7 @@ class TritonBackend(TorchBackend):
             plan = meta.scratch["triton_attn"] = self._plan(meta, q.device)
         rows, row_seq, row_ctx, tables, prefill = plan
         qq = cache.attention_query(layer, q)
-        out = torch.empty_like(qq)
+        out = self.kernels.empty_output(qq.shape, qq.dtype, qq.device)
         if rows is not None:
             kv_bits = cache.spec.bits if cache.spec.quantized else 16
             quant = (cache.k_scale[layer], cache.k_zero[layer], cache.v_scale[layer], cache.v_zero[layer]) \

@@ -32,6 +32,17 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # as triton.jit reads it
 
 
+POISON = False  # tests set it: every output buffer starts as NaN (floats) / 0xA5 (integers), so an unwritten element fails
+
+
+def empty_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    if not POISON:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, 0xA5, dtype=dtype, device=device)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -123,9 +134,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     if split_k > 1:
-        out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        out = empty_output((split_k, m, n), torch.float32, x.device)
     else:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = empty_output((m, n), x.dtype, x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx if g_idx is not None else zeros,
                         bias if bias is not None else scales, out, m, n, k, x.stride(0), group_size, k_per_split,
@@ -162,7 +173,7 @@ def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
                   block_k: int = 64, block_n: int = 64) -> torch.Tensor:
     """Dense ``W.T [K, N]`` in ``dtype`` from the packed weight (see :func:`w4a16_gemm` for the operands)."""
     if out is None:
-        out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+        out = empty_output((k, n), dtype, qweight.device)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _dequant_w4_kernel[grid](qweight, scales, zeros, g_idx if g_idx is not None else zeros, out, n, k, group_size,
                              HAS_GIDX=g_idx is not None, BLOCK_K=block_k, BLOCK_N=block_n)
@@ -353,8 +364,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """RMSNorm of the rows of ``x [R, N]`` (last dim contiguous) with ``weight [N]``; with ``residual [R, N]``, first
     ``h = x + residual`` (rounded to x's dtype) → ``(rms_norm(h), h)``; else → ``rms_norm(x)``."""
     r, n = x.shape
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else out
+    out = empty_output(x.shape, x.dtype, x.device)
+    res_out = empty_output(x.shape, x.dtype, x.device) if residual is not None else out
     rr = residual if residual is not None else x
     _rms_norm_kernel[(r,)](x, rr, weight, out, res_out, x.stride(0), rr.stride(0), out.stride(0), res_out.stride(0),
                            n, eps, HAS_RES=residual is not None, BLOCK=_next_pow2(n))
@@ -377,7 +388,7 @@ def silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """``silu(gate_up[:, :I]) * gate_up[:, I:]`` → ``[R, I]`` (rows with a contiguous last dim)."""
     r, two_i = gate_up.shape
     i = two_i // 2
-    out = torch.empty(r, i, dtype=gate_up.dtype, device=gate_up.device)
+    out = empty_output((r, i), gate_up.dtype, gate_up.device)
     block = min(block, _next_pow2(i))
     _silu_and_mul_kernel[(r, triton.cdiv(i, block))](gate_up, out, gate_up.stride(0), out.stride(0), i, BLOCK=block)
     return out
