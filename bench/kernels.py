@@ -1,12 +1,25 @@
-"""Kernel choices of the torch backend, timed side by side (microseconds per call).
+"""Kernels timed side by side: the torch backend's CPU choices, and the W4A16 GEMM / paged decode attention of the
+backend in use on Llama-3-8B shapes (microseconds per call, achieved GB/s).
 
-    python bench/kernels.py [--threads 2] [--json]
+    python bench/kernels.py [--suite all|choices|llama3] [--device auto] [--backend auto] [--threads 2] [--json]
 
-1. W4A16 linear on SmolLM2's shapes: ``aten._weight_int4pack_mm_for_cpu`` vs dequantize + bf16 GEMM, by rows
-   (where ``TorchBackend.dequant_min_rows`` should sit).
+``choices`` (CPU, SmolLM2's shapes, the torch backend's switches):
+
+1. W4A16 linear: ``aten._weight_int4pack_mm_for_cpu`` vs dequantize + bf16 GEMM, by rows (where
+   ``TorchBackend.dequant_min_rows`` should sit).
 2. int8 ``lm_head`` (49152 x 576): ``aten._weight_int8pack_mm`` vs the tiled dequantize + GEMM, by rows.
 3. Decode attention (one query per sequence, SmolLM2 heads, bf16): CPU ``scaled_dot_product_attention`` (with a
    padding mask for several rows) vs the backend's two batched matmuls, by batch size and context.
+
+``llama3`` (any device; the backend's own ``w4a16_linear`` and ``attention``, so Triton's kernels on a GPU and the
+torch paths on a CPU):
+
+4. W4A16 GEMM g128, K x N = 4096x4096, 4096x14336, 14336x4096, M = 1, 4, 16, 64, 256: time, achieved GB/s (packed
+   weight + scales + zero points + activations + output, read once), fraction of the measured device copy bandwidth
+   (``dst.copy_(src)`` of 1 GiB, counted as read + write), speedup over the 16-bit ``F.linear`` and over dequantize
+   (the backend's own dequantizer) then ``F.linear``.
+5. Paged decode attention, 32 query / 8 KV heads of 128 (Llama-3-8B), batch x context (4096 on GPUs): time,
+   GB/s of KV read (values and scales), decode rows per second, for 16-bit, int8 and int4 KV.
 """
 from __future__ import annotations
 
@@ -18,30 +31,104 @@ import torch
 import torch.nn.functional as F
 
 import common  # noqa: F401  (puts the repository on sys.path)
+from backends import KVCacheSpec, get_backend
 from backends.torch_backend import _int8_tiled_mm, dequantize_nibbles, pack_int4_for_cpu
-from backends.types import QuantizedWeight
+from backends.types import AttentionMetadata, QuantizedWeight
 
 
-def timed(fn, n: int) -> float:
-    """Mean microseconds over ``n`` calls after 3 warm-up calls."""
+def timed(fn, n: int, device: torch.device | None = None) -> float:
+    """Mean microseconds over ``n`` calls after 3 warm-up calls (synchronizing a GPU around them)."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     for _ in range(3):
         fn()
+    sync()
     t = time.perf_counter()
     for _ in range(n):
         fn()
+    sync()
     return (time.perf_counter() - t) / n * 1e6
 
 
-def main() -> None:
-    """Command-line entry point (see the module docstring)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    gen = torch.Generator().manual_seed(0)
-    res: dict = {"threads": args.threads, "w4a16": [], "int8_lm_head": [], "decode_attention": []}
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written per second)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = timed(lambda: dst.copy_(src), 5 if device.type == "cuda" else 2, device)
+    return 2 * nbytes / us / 1e3
 
+
+def dense_dequant(backend, handle, dtype):
+    """A function returning the dense ``[N, K]`` weight from ``handle`` with the backend's own dequantizer."""
+    from backends.triton.backend import TritonW4Handle
+
+    if isinstance(handle, TritonW4Handle):
+        k = backend.kernels
+        return lambda: k.dequantize_w4(handle.qweight, handle.scales, handle.zeros, handle.group_size, handle.n,
+                                       handle.k, dtype, handle.g_idx).t()
+    if hasattr(handle, "nibbles"):
+        return lambda: dequantize_nibbles(handle)
+    return lambda: handle.qw.dequantize(dtype)
+
+
+def llama3_suite(device: torch.device, backend_name: str, quick: bool) -> dict:
+    """Sections 4 and 5 of the module docstring."""
+    gpu = device.type == "cuda"
+    be = get_backend(backend_name, device)
+    dtype = torch.float16 if gpu else torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    res = {"device": str(device), "backend": be.name, "dtype": str(dtype).replace("torch.", ""),
+           "copy_gb_s": copy_bandwidth(device), "w4a16": [], "decode_attention": []}
+    g = 128
+    reps = 50 if gpu else 3
+    shapes = [(4096, 4096), (4096, 14336), (14336, 4096)]
+    for k, n in shapes[:1] if quick else shapes:
+        qw = QuantizedWeight(4, g, False, torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen),
+                             torch.randint(0, 16, (k // g, n), dtype=torch.uint8, generator=gen),
+                             (torch.rand(k // g, n, generator=gen) * 0.01).to(dtype))
+        h = be.prepare_w4a16(qw, dtype)
+        dense = qw.dequantize(dtype).to(device)
+        deq = dense_dequant(be, h, dtype)
+        del qw
+        wbytes = n * k // 2 + (k // g) * n * (2 + 1)  # int4 codes + 16-bit scales + uint8 zero points
+        for m in (1, 4, 16, 64, 256):
+            x = torch.randn(m, k, generator=gen).to(device, dtype)
+            us = timed(lambda: be.w4a16_linear(x, h), reps, device)
+            us16 = timed(lambda: F.linear(x, dense), reps, device)
+            usdq = timed(lambda: F.linear(x, deq()), max(1, reps // 5), device)
+            gbs = (wbytes + 2 * m * (k + n)) / us / 1e3
+            res["w4a16"].append({"k": k, "n": n, "m": m, "us": us, "gb_s": gbs, "copy_fraction": gbs / res["copy_gb_s"],
+                                 "vs_16bit": us16 / us, "vs_dequant_matmul": usdq / us, "us_16bit": us16,
+                                 "us_dequant_matmul": usdq})
+        del dense, h
+    h_q, kvh, d, bs = 32, 8, 128, 64
+    batch, ctx = (16, 4096) if gpu else (4, 1024)
+    for kv in ("16bit", "int8", "int4"):
+        kvd = {"16bit": str(dtype).replace("torch.", "")}.get(kv, kv)
+        nb = batch * ctx // bs
+        spec = KVCacheSpec(kvd, nb, bs, 1, kvh, d)
+        cache = be.allocate_kv_cache(spec, dtype)
+        slots = torch.arange(nb * bs, device=device)
+        cache.write(0, torch.randn(nb * bs, kvh, d, device=device, dtype=dtype),
+                    torch.randn(nb * bs, kvh, d, device=device, dtype=dtype), slots)
+        tables = [list(range(b * ctx // bs, (b + 1) * ctx // bs)) for b in range(batch)]
+        q = torch.randn(batch, h_q, d, device=device, dtype=dtype)
+
+        def meta():
+            return AttentionMetadata(slots[:batch], list(range(batch + 1)), [ctx] * batch, tables, bs)
+
+        m0 = meta()  # per-step plans are cached in meta.scratch, as the engine does for all layers of a step
+        us = timed(lambda: be.attention(q, cache, 0, m0, d ** -0.5), 20 if gpu else 3, device)
+        kv_bytes = batch * ctx * 2 * kvh * spec.bytes_per_token_head()
+        res["decode_attention"].append({"kv": kvd, "batch": batch, "context": ctx, "us": us,
+                                        "gb_s": kv_bytes / us / 1e3, "rows_per_s": batch / us * 1e6})
+        del cache
+    return res
+
+
+def choices_suite(threads: int) -> dict:
+    """Sections 1-3 of the module docstring (CPU)."""
+    gen = torch.Generator().manual_seed(0)
+    res: dict = {"threads": threads, "w4a16": [], "int8_lm_head": [], "decode_attention": []}
     g = 64
     for n_out, k in [(960, 576), (3072, 576), (576, 1536)]:  # fused qkv, fused gate/up, down
         qw = QuantizedWeight(bits=4, group_size=g, sym=False,
@@ -88,10 +175,11 @@ def main() -> None:
         res["decode_attention"].append({"batch": batch, "context": length, "sdpa_us": timed(sdpa, 100),
                                         "matmuls_us": timed(matmuls, 100)})
 
-    if args.json:
-        print(json.dumps(res))
-        return
-    print(f"torch backend kernel choices, bf16, {args.threads} threads (microseconds per call)")
+    return res
+
+
+def print_choices(res: dict) -> None:
+    print(f"torch backend kernel choices, bf16, {res['threads']} threads (microseconds per call)")
     print(f"{'W4A16 out x in':>16} {'rows':>5} {'int4pack':>10} {'dequant+GEMM':>13}")
     for r in res["w4a16"]:
         print(f"{r['out']:>9} x {r['in']:<4} {r['rows']:>5} {r['int4pack_us']:>10.0f} {r['dequant_gemm_us']:>13.0f}")
@@ -101,6 +189,47 @@ def main() -> None:
     print(f"{'decode attention batch':>22} {'context':>8} {'SDPA':>10} {'matmuls':>10}")
     for r in res["decode_attention"]:
         print(f"{r['batch']:>22} {r['context']:>8} {r['sdpa_us']:>10.0f} {r['matmuls_us']:>10.0f}")
+
+
+def print_llama3(res: dict) -> None:
+    print(f"\n{res['backend']} backend on {res['device']}, {res['dtype']}; device copy bandwidth "
+          f"{res['copy_gb_s']:.1f} GB/s")
+    print(f"{'W4A16 g128  K x N':>20} {'M':>4} {'us':>9} {'GB/s':>8} {'of copy':>8} {'x 16-bit':>9} {'x deq+mm':>9}")
+    for r in res["w4a16"]:
+        print(f"{r['k']:>11} x {r['n']:<6} {r['m']:>4} {r['us']:>9.1f} {r['gb_s']:>8.1f} {r['copy_fraction']:>8.0%} "
+              f"{r['vs_16bit']:>8.2f}x {r['vs_dequant_matmul']:>8.2f}x")
+    print(f"{'decode attention KV':>20} {'batch':>6} {'context':>8} {'us':>9} {'GB/s':>8} {'rows/s':>9}")
+    for r in res["decode_attention"]:
+        print(f"{r['kv']:>20} {r['batch']:>6} {r['context']:>8} {r['us']:>9.1f} {r['gb_s']:>8.1f} "
+              f"{r['rows_per_s']:>9.0f}")
+
+
+def main() -> None:
+    """Command-line entry point (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=("all", "choices", "llama3"), default="all")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="llama3 suite: the 4096x4096 shape only")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from backends import current_platform
+
+    plat = current_platform(args.device)
+    out = {"platform": plat.name}
+    if args.suite in ("all", "choices") and plat.kind == "cpu":
+        out["choices"] = choices_suite(args.threads)
+    if args.suite in ("all", "llama3"):
+        out["llama3"] = llama3_suite(plat.device, args.backend, args.quick)
+    if args.json:
+        print(json.dumps(out))
+        return
+    if "choices" in out:
+        print_choices(out["choices"])
+    if "llama3" in out:
+        print_llama3(out["llama3"])
 
 
 if __name__ == "__main__":

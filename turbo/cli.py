@@ -27,6 +27,20 @@ def _kv_options(fn):
     return fn
 
 
+def _device_options(fn):
+    """--device and --backend, shared by chat and eval-ppl (and later serve)."""
+    opts = [
+        click.option("--device", default="auto", show_default=True,
+                     help="auto (a GPU, then an NPU, then the CPU), cpu, cuda[:N] or npu[:N]."),
+        click.option("--backend", default="auto", show_default=True,
+                     help="auto (triton on CUDA/ROCm, ascend on NPUs, torch on CPUs), torch, triton or ascend; "
+                          "`liteturbo env` lists what runs here."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
 def kv_summary(engine) -> str:
     """One line about the KV pool: dtype, bytes per token, tokens held."""
     st = engine.stats()
@@ -80,9 +94,10 @@ def rtn(model, w_bits, w_group_size, w_sym, work_dir, overwrite) -> None:
 @click.option("--max-windows", default=None, type=int, help="Score only the first N windows.")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help='Print {"ppl", "tokens", "seconds", "kv_cache_dtype", "kv_calibrated"} as JSON.')
+@_device_options
 @_kv_options
 @friendly_errors
-def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, kv_cache_dtype, quant_policy,
+def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backend, kv_cache_dtype, quant_policy,
              no_kv_calibration) -> None:
     """Perplexity of MODEL on a bundled dataset's test text (WikiText-2: rows joined with "\\n\\n").
 
@@ -100,7 +115,7 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, kv_cache_dtype
         raise LiteturboError(f"--max-windows must be at least 1, got {max_windows} (leave it out to score all)")
     if dataset != "wikitext2":
         raise LiteturboError(f"--dataset {dataset!r}: only wikitext2 has a test split for perplexity")
-    engine = Engine(model, EngineConfig(dtype=dtype, max_kv_tokens=seqlen, lm_head="16bit",
+    engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, max_kv_tokens=seqlen, lm_head="16bit",
                                         kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
                                         kv_calibration=not no_kv_calibration))
     r = perplexity(engine, calib_data.wikitext2_test_text(), seqlen, max_windows, progress=not as_json)
@@ -223,19 +238,19 @@ def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bit
 @click.option("--seed", default=None, type=int)
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--dtype", default="auto", show_default=True)
-@click.option("--backend", default="auto", show_default=True, help="auto or torch.")
 @click.option("--session-len", default=None, type=int, help="Longest conversation in tokens.")
 @click.option("--kv-cache-gib", default=None, type=float, help="KV pool size in GiB.")
 @click.option("--cache-max-entry-count", default=None, type=float,
               help="KV pool as a fraction of the memory left after the weights (0-1].")
+@_device_options
 @_kv_options
 @friendly_errors
-def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, backend, session_len, kv_cache_gib,
-         cache_max_entry_count, kv_cache_dtype, quant_policy, no_kv_calibration) -> None:
+def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, session_len, kv_cache_gib,
+         cache_max_entry_count, device, backend, kv_cache_dtype, quant_policy, no_kv_calibration) -> None:
     """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too."""
     from turbo import Engine, EngineConfig, GenerationConfig
 
-    engine = Engine(model, EngineConfig(dtype=dtype, backend=backend, session_len=session_len,
+    engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, session_len=session_len,
                                         kv_cache_gib=kv_cache_gib, cache_max_entry_count=cache_max_entry_count,
                                         kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
                                         kv_calibration=not no_kv_calibration))
@@ -244,7 +259,8 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
     session = engine.session(system)
     interactive = sys.stdin.isatty()
     click.echo(f"[liteturbo] {engine.path} ({engine.model.quant_method or '16/32-bit'} weights, compute "
-               f"{str(engine.dtype).removeprefix('torch.')}); "
+               f"{str(engine.dtype).removeprefix('torch.')}, {engine.backend.name} backend on "
+               f"{engine.platform.device}); "
                f"{kv_summary(engine)}; /reset clears the history, /exit quits", err=True)
     total_tokens, total_s = 0, 0.0
     while True:
@@ -415,3 +431,7 @@ def env(device, as_json) -> None:
 
     r = env_report(device)
     click.echo(_json.dumps(r, indent=2) if as_json else format_env(r))
+
+
+if __name__ == "__main__":
+    main()

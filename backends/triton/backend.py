@@ -109,6 +109,26 @@ class TritonBackend(TorchBackend):
                     "(TRITON_INTERPRET=1, slow, for testing); use backend='torch'")
         return f"Triton does not target {platform.kind} here; use backend='ascend' or 'torch'"
 
+    @classmethod
+    def op_coverage(cls, platform=None) -> dict[str, str]:
+        """See :meth:`Backend.op_coverage`."""
+        interp = " (Triton interpreter)" if platform is not None and platform.kind == "cpu" else ""
+        k = "triton kernel" + interp
+        return {
+            **super().op_coverage(platform),
+            "linear": "torch F.linear (cuBLAS)" if not interp else "torch F.linear",
+            "w4a16_linear": (f"{k}: fused int4 dequant GEMM, split-K for few rows; dequantize ({k}) + matmul "
+                             f"from 128 rows; torch reference for bits != 4"),
+            "w8a16_linear": "dequantize + matmul (torch)",
+            "rms_norm": k + " on 2-D rows (torch reference for per-head q/k norms)",
+            "add_rms_norm": k + ": residual add fused with RMSNorm",
+            "silu_and_mul": k, "rotary": "torch reference",
+            "attention": f"{k}: paged attention over block tables for decode and chunked rows (int8/int4 "
+                         f"dequantized in the kernel); torch SDPA for whole-prompt prefill",
+            "kv_write_int8": k + " (quantize per token and head, store)",
+            "kv_write_int4": k + " (quantize, pack nibbles, store)",
+        }
+
     # --- W4A16 ---------------------------------------------------------------------------------------------
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
         """Repack for the fused kernel (4-bit only; other widths use the torch reference's dequantize path)."""
