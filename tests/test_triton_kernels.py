@@ -172,14 +172,17 @@ def test_paged_attention_matches_float64(poisoned, kv_dtype, head_dim):
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
     quant = (cache.k_scale[0], cache.k_zero[0], cache.v_scale[0], cache.v_zero[0]) if spec.quantized else (None,) * 4
     outd = out.to(DEVICE)
-    poisoned.paged_attention(q.to(DEVICE), outd, cache.k[0], cache.v[0], *quant, i32(rows), i32([0, 1, 2]), i32(ctxs),
-                             bt.to(DEVICE), bs, 0.125, spec.bits if spec.quantized else 16)
-    out = outd.cpu()
-    for r, c, table in zip(rows, ctxs, tables):
-        slots = (torch.tensor(table).unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[:c]
-        ref = _ref_attention(q[r], k_all[slots], v_all[slots], 0.125)
-        assert _rel(out[r], ref) < 1e-5, (kv_dtype, r)
-    assert torch.isnan(out[[1, 2, 4, 6]]).all()
+    for partition in (None, 16):  # one program per (row, KV head); and the context split in partitions of 16
+        outd = out.to(DEVICE)
+        poisoned.paged_attention(q.to(DEVICE), outd, cache.k[0], cache.v[0], *quant, i32(rows), i32([0, 1, 2]),
+                                 i32(ctxs), bt.to(DEVICE), bs, 0.125, spec.bits if spec.quantized else 16,
+                                 max_ctx=max(ctxs), partition=partition)
+        got = outd.cpu()
+        for r, c, table in zip(rows, ctxs, tables):
+            slots = (torch.tensor(table).unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[:c]
+            ref = _ref_attention(q[r], k_all[slots], v_all[slots], 0.125)
+            assert _rel(got[r], ref) < 1e-5, (kv_dtype, r, partition)
+        assert torch.isnan(got[[1, 2, 4, 6]]).all()
 
 
 # --- KV write ---------------------------------------------------------------------------------------------------
@@ -255,11 +258,11 @@ def test_backend_fused_ops_agree_with_reference(backend_name):
 
 # --- the backend's attention over a step: decode rows, chunked prefill, batch_invariant --------------------------
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8", "int4"])
-@pytest.mark.parametrize("batch_invariant", [False, True])
-def test_triton_attention_step_equals_torch(kv_dtype, batch_invariant):
+@pytest.mark.parametrize("batch_invariant,partition", [(False, None), (True, None), (False, 4)])
+def test_triton_attention_step_equals_torch(kv_dtype, batch_invariant, partition):
     bs, nb, kvh, h, d = 4, 32, 2, 4, 16
     spec = KVCacheSpec(kv_dtype, nb, bs, 1, kvh, d)
-    tri = get_backend("triton", DEVICE, batch_invariant=batch_invariant)
+    tri = get_backend("triton", DEVICE, batch_invariant=batch_invariant, attention_partition=partition)
     ref = get_backend("torch", "cpu")
     c_tri, c_ref = tri.allocate_kv_cache(spec, torch.float32), ref.allocate_kv_cache(spec, torch.float32)
     g = torch.Generator().manual_seed(0)

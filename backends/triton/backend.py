@@ -79,18 +79,22 @@ class TritonBackend(TorchBackend):
     ``dequant_min_rows``: inputs with at least this many rows dequantize the W4A16 weight and run a dense GEMM
     (not measured on a GPU yet; 128 is where AutoAWQ and vLLM's AWQ path switch). ``split_k``: fixed split-K
     factor for the fused GEMM, ``None`` = chosen per call from the tile count and the GPU's multiprocessors.
-    ``fused_elementwise``: RMSNorm/SiLU kernels on (else the torch reference ops).
+    ``fused_elementwise``: RMSNorm/SiLU kernels on (else the torch reference ops). ``attention_partition``: tokens
+    per context partition of the paged attention (flash-decoding split), 0 = never split, ``None`` = 512 on a GPU
+    when contexts exceed 1,024 tokens and rows x KV heads are fewer than twice the multiprocessors.
     """
 
     name = "triton"
 
     def __init__(self, device: torch.device | str = "cuda", batch_invariant: bool = False,
-                 dequant_min_rows: int = 128, split_k: int | None = None, fused_elementwise: bool = True) -> None:
+                 dequant_min_rows: int = 128, split_k: int | None = None, fused_elementwise: bool = True,
+                 attention_partition: int | None = None) -> None:
         super().__init__(device, int4_kernel=False, batch_invariant=batch_invariant)
         self.kernels = _kernels()
         never = 1 << 62
         self.w4_dequant_min_rows = never if batch_invariant else dequant_min_rows
         self.split_k = split_k
+        self.attention_partition = attention_partition
         self.fused_elementwise = fused_elementwise
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 1)
@@ -210,8 +214,8 @@ class TritonBackend(TorchBackend):
         sequences through the torch reference's SDPA over gathered K/V."""
         plan = meta.scratch.get("triton_attn")
         if plan is None:
-            plan = meta.scratch["triton_attn"] = self._plan(meta, q.device)
-        rows, row_seq, row_ctx, tables, prefill = plan
+            plan = meta.scratch["triton_attn"] = self._plan(meta, q.device, cache.spec.num_kv_heads)
+        rows, row_seq, row_ctx, tables, prefill, partition, max_ctx = plan
         qq = cache.attention_query(layer, q)
         out = self.kernels.empty_output(qq.shape, qq.dtype, qq.device)
         if rows is not None:
@@ -219,7 +223,7 @@ class TritonBackend(TorchBackend):
             quant = (cache.k_scale[layer], cache.k_zero[layer], cache.v_scale[layer], cache.v_zero[layer]) \
                 if cache.spec.quantized else (None,) * 4
             self.kernels.paged_attention(qq, out, cache.k[layer], cache.v[layer], *quant, rows, row_seq, row_ctx,
-                                         tables, meta.block_size, scale, kv_bits)
+                                         tables, meta.block_size, scale, kv_bits, max_ctx, partition)
         for qs, qe, slots, causal in prefill:
             kb, vb = cache.gather(layer, slots)
             qb = qq[qs:qe].transpose(0, 1).unsqueeze(0)
@@ -228,7 +232,7 @@ class TritonBackend(TorchBackend):
             out[qs:qe] = o.squeeze(0).transpose(0, 1)
         return cache.attention_output(layer, out)
 
-    def _plan(self, meta: AttentionMetadata, device: torch.device):
+    def _plan(self, meta: AttentionMetadata, device: torch.device, kv_heads: int):
         """Per step: kernel rows (query row, sequence, context length), padded block tables, and the prefill
         sequences left to SDPA (start, end, slots, causal)."""
         bs = meta.block_size
@@ -250,7 +254,7 @@ class TritonBackend(TorchBackend):
                 continue
             prefill.append((qs, qe, slots.to(device), True))
         if not rows:
-            return None, None, None, None, prefill
+            return None, None, None, None, prefill, None, None
         width = max(1, max(len(bt) for bt in meta.block_tables))
         tables = torch.zeros(meta.num_seqs, width, dtype=torch.int32)
         for b, bt in enumerate(meta.block_tables):
@@ -259,4 +263,9 @@ class TritonBackend(TorchBackend):
         def dev(v):
             return torch.tensor(v, dtype=torch.int32).to(device)
 
-        return dev(rows), dev(seqs), dev(ctxs), tables.to(device), prefill
+        max_ctx = max(ctxs)
+        partition = self.attention_partition
+        if partition is None:  # split long contexts when rows x KV heads alone leave multiprocessors idle
+            programs = len(rows) * kv_heads
+            partition = 512 if self.device.type == "cuda" and max_ctx > 1024 and programs < 2 * self._sms else 0
+        return dev(rows), dev(seqs), dev(ctxs), tables.to(device), prefill, partition, max_ctx

@@ -203,13 +203,14 @@ def _load_kv(ptr, s_ptr, z_ptr, head, slot, t_mask, offs_d, d_mask, n_slots,
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
+def _paged_attention_kernel(q_ptr, o_ptr, ml_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
                             rows_ptr, seq_ptr, ctx_ptr, bt_ptr, bt_stride, stride_qt, stride_ot, n_slots, block_size,
-                            scale,
+                            scale, partition, n_rows, n_heads,
                             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                            KV_BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+                            KV_BITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
+    part = tl.program_id(2)
     row = tl.load(rows_ptr + r)
     seq = tl.load(seq_ptr + r)
     ctx = tl.load(ctx_ptr + r)
@@ -223,9 +224,11 @@ def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, 
     m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, D_PAD), dtype=tl.float32)
-    for start in range(0, ctx, BLOCK_N):
+    t_lo = part * partition
+    t_hi = tl.minimum(t_lo + partition, ctx)
+    for start in range(t_lo, t_hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
-        t_mask = t < ctx
+        t_mask = t < t_hi
         blk = tl.load(bt_ptr + seq * bt_stride + t // block_size, mask=t_mask, other=0).to(tl.int64)
         slot = blk * block_size + t % block_size
         k = _load_kv(k_ptr, ks_ptr, kz_ptr, kvh, slot, t_mask, offs_d, d_mask, n_slots, D, KV_BITS)
@@ -238,16 +241,23 @@ def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, 
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
-    o = acc / l_i[:, None]
-    tl.store(o_ptr + row * stride_ot + heads[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=g_mask[:, None] & d_mask[None, :])
+    if SPLIT:
+        # this partition's running max and sum ([parts, R, H, 2]) and unnormalized output ([parts, R, H, D])
+        base = (part * n_rows + r) * n_heads + heads
+        tl.store(ml_ptr + base * 2, m_i, mask=g_mask)
+        tl.store(ml_ptr + base * 2 + 1, l_i, mask=g_mask)
+        tl.store(o_ptr + base[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + row * stride_ot + heads[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=g_mask[:, None] & d_mask[None, :])
 
 
 def paged_attention(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_scale: torch.Tensor | None, k_zero: torch.Tensor | None, v_scale: torch.Tensor | None,
                     v_zero: torch.Tensor | None, rows: torch.Tensor, row_seq: torch.Tensor, row_ctx: torch.Tensor,
                     block_tables: torch.Tensor, block_size: int, scale: float, kv_bits: int,
-                    block_n: int = 32) -> None:
+                    max_ctx: int | None = None, partition: int | None = None, block_n: int = 32) -> None:
     """Write into ``out[rows[r]]`` the attention of ``q[rows[r]]`` (``q, out [T, H, D]``) over the first
     ``row_ctx[r]`` tokens of sequence ``row_seq[r]``, whose slots are ``block_tables[seq, t // block_size] *
     block_size + t % block_size``.
@@ -256,17 +266,36 @@ def paged_attention(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torc
     ``[KVH, slots, D/2]`` (int4, byte ``j`` = channel ``j`` low nibble, ``j + D/2`` high); k_scale etc. float16 /
     uint8 ``[KVH, slots]`` for the quantized kinds. rows, row_seq, row_ctx: int32 ``[R]``; block_tables int32
     ``[B, max_blocks]``. H must be a multiple of KVH (grouped-query heads share their KV head).
+
+    ``partition``: split each context into partitions of this many tokens, one program each, combined afterwards
+    (flash-decoding, Dao et al. 2023: keeps the GPU busy when rows x KV heads are few and contexts long); needs
+    ``max_ctx`` (the longest ``row_ctx``, a host int). ``None``/0: one program per (row, KV head).
     """
     t, h, d = q.shape
     kvh, n_slots = k.shape[0], k.shape[1]
     g = h // kvh
+    n_rows = rows.shape[0]
     if kv_bits == 16:
         k_scale = k_zero = v_scale = v_zero = k  # unused
-    grid = (rows.shape[0], kvh)
-    _paged_attention_kernel[grid](q, out, k, v, k_scale, k_zero, v_scale, v_zero, rows, row_seq, row_ctx,
-                                  block_tables, block_tables.stride(0), q.stride(0), out.stride(0), n_slots,
-                                  block_size, scale, G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d),
-                                  KV_BITS=kv_bits, BLOCK_N=block_n)
+    parts = 1 if not partition or max_ctx is None else max(1, triton.cdiv(max_ctx, partition))
+    consts = dict(G=g, G_PAD=_next_pow2(g), D=d, D_PAD=_next_pow2(d), KV_BITS=kv_bits, BLOCK_N=block_n)
+    if parts == 1:
+        _paged_attention_kernel[(n_rows, kvh, 1)](
+            q, out, out, k, v, k_scale, k_zero, v_scale, v_zero, rows, row_seq, row_ctx, block_tables,
+            block_tables.stride(0), q.stride(0), out.stride(0), n_slots, block_size, scale, 1 << 30, n_rows, h,
+            SPLIT=False, **consts)
+        return
+    acc = empty_output((parts, n_rows, h, d), torch.float32, q.device)
+    ml = empty_output((parts, n_rows, h, 2), torch.float32, q.device)
+    _paged_attention_kernel[(n_rows, kvh, parts)](
+        q, acc, ml, k, v, k_scale, k_zero, v_scale, v_zero, rows, row_seq, row_ctx, block_tables,
+        block_tables.stride(0), q.stride(0), out.stride(0), n_slots, block_size, scale, partition, n_rows, h,
+        SPLIT=True, **consts)
+    m, l_sum = ml[..., 0], ml[..., 1]  # partitions past a row's context: m = -inf, l = 0
+    m_all = m.amax(0)
+    w = torch.exp(m - m_all)  # [parts, R, H]; exp(-inf) = 0 for empty partitions
+    o = (acc * w.unsqueeze(-1)).sum(0) / (l_sum * w).sum(0).unsqueeze(-1)
+    out[rows.long()] = o.to(out.dtype)
 
 
 # --- KV write with quantization --------------------------------------------------------------------------
