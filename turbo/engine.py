@@ -24,7 +24,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig, GenerationConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .model import LlamaModel
-from .sampler import apply_penalties, sample, top_logprobs
+from .sampler import RowSampling, sample_batch
 from .scheduler import Scheduler, ScheduledStep, Sequence, Status
 
 
@@ -84,6 +84,7 @@ class ModelRunner:
     def run(self, step: StepInput) -> torch.Tensor:
         """float32 logits ``[len(step.logits_rows), vocab]``."""
         dev = self.model.backend.device
+        self.model.check_positions(max(step.positions))  # on the host: the forward never synchronizes
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
             query_start=step.query_start, context_lens=step.context_lens, block_tables=step.block_tables,
@@ -154,8 +155,9 @@ class Engine:
         except TypeError as e:
             raise LiteturboError(f"bad Engine option: {e}") from None
         self.path = resolve_model(model)
+        self.platform = self.config.platform()
         try:
-            self.backend = get_backend(self.config.backend, self.config.device,
+            self.backend = get_backend(self.config.backend, self.platform.device,
                                        batch_invariant=self.config.batch_invariant)
         except (ValueError, RuntimeError) as e:
             raise LiteturboError(str(e)) from None
@@ -249,12 +251,8 @@ class Engine:
         return n
 
     def _free_memory(self) -> int:
-        """Free bytes where the KV cache lives: free GPU memory, or available RAM on CPU."""
-        if self.backend.device.type == "cuda":
-            return torch.cuda.mem_get_info(self.backend.device)[0]
-        import psutil
-
-        return psutil.virtual_memory().available
+        """Free bytes where the KV cache lives: free device memory, or available RAM on CPU (the platform's)."""
+        return self.platform.free_memory()
 
     # --- info ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -432,7 +430,7 @@ class Engine:
         seq.token_ids = ids
         rng = None
         if gen.temperature > 0:
-            rng = torch.Generator()
+            rng = torch.Generator(device=self.backend.device)  # the logits' device: sampling runs there
             rng.manual_seed(gen.seed if gen.seed is not None else int(torch.seed() % (2**63)))
         stop_ids = set(gen.stop_token_ids) | (set() if gen.ignore_eos else self.eos_token_ids)
         req = Request(seq=seq, gen=gen, prompt_len=len(ids), stop_ids=stop_ids,
@@ -501,7 +499,7 @@ class Engine:
 
     def _run_step(self, sched: ScheduledStep, t0: float) -> list[Request]:
         logits = self.runner.run(self._build(sched))
-        touched = []
+        touched, ready = [], []  # ready: (logits row, request) of the sequences that get a token now
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
             req = self.requests[seq.seq_id]
             if req.cached_tokens < 0:
@@ -515,12 +513,33 @@ class Engine:
                 self.counters["last_prefill_tokens"] = req.prompt_len - req.cached_tokens
             else:
                 self.counters["decode_tokens"] += 1
+            ready.append((row, req))
+        if ready:  # one batched draw on the logits' device, one host synchronization
+            opts = []
+            for _, req in ready:
+                gen, done = req.gen, req.output_ids
+                opts.append(RowSampling.of(
+                    gen, generator=req.rng, output_ids=done,
+                    prompt_ids=req.seq.token_ids[:req.prompt_len] if gen.repetition_penalty != 1.0 else (),
+                    banned_ids=req.stop_ids if len(done) < gen.min_new_tokens else ()))
             try:
-                self._append_token(req, logits[row])
-            except Exception as e:  # this request's sampling failed: it alone ends, with the error kept
-                req.error = e
-                self._finish(req, "error")
-            touched.append(req)
+                picks = sample_batch(logits, opts, [row for row, _ in ready])
+            except Exception:  # some request's sampling failed: find it by sampling each row alone
+                picks = []
+                for (row, _), opt in zip(ready, opts):
+                    try:
+                        picks.append(sample_batch(logits, [opt], [row])[0])
+                    except Exception as e:
+                        picks.append(e)
+            for (_, req), pick in zip(ready, picks):
+                try:
+                    if isinstance(pick, Exception):
+                        raise pick
+                    self._append_token(req, pick.token_id, pick.logprobs)
+                except Exception as e:  # this request's sampling failed: it alone ends, with the error kept
+                    req.error = e
+                    self._finish(req, "error")
+                touched.append(req)
         self.counters["steps"] += 1
         self.counters["busy_seconds"] += time.perf_counter() - t0
         return touched
@@ -539,16 +558,11 @@ class Engine:
             rows.append(qs[-1] - 1)
         return StepInput(ids, pos, slots, qs, ctx, tables, rows)
 
-    def _append_token(self, req: Request, logits: torch.Tensor) -> None:
+    def _append_token(self, req: Request, tok: int, logprobs: list[tuple[int, float]] | None = None) -> None:
+        """Append the sampled ``tok`` (and its top log-probabilities) to ``req``; finish it if it stops."""
         gen, seq = req.gen, req.seq
-        logits = apply_penalties(logits, seq.token_ids[:req.prompt_len], req.output_ids, gen.repetition_penalty,
-                                 gen.presence_penalty, gen.frequency_penalty)
-        if len(req.output_ids) < gen.min_new_tokens and req.stop_ids:
-            logits = logits.clone()
-            logits[torch.tensor(sorted(req.stop_ids), dtype=torch.long)] = float("-inf")
-        if gen.logprobs:
-            req.logprobs.append(top_logprobs(logits, gen.logprobs))
-        tok = sample(logits, gen.temperature, gen.top_k, gen.top_p, req.rng, gen.min_p)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
         now = time.perf_counter()
         if req.t_first is None:
             req.t_first = now

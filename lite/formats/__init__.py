@@ -2,16 +2,16 @@
 parameters), config fields, model folders."""
 from .arch import ARCHITECTURES, DECODER_LINEARS, ArchSpec, arch_spec
 from .awq import awq_quantization_config, pack_awq, unpack_awq
-from .checkpoint import (atomic_output_dir, check_checkpoint_dir, check_output_dir, copy_tokenizer_files, liteturbo_home,
-                         load_config, load_state_dict, resolve_model, write_json)
+from .checkpoint import (LazyStateDict, atomic_output_dir, check_checkpoint_dir, check_output_dir, copy_tokenizer_files,
+                         liteturbo_home, load_config, load_state_dict, resolve_model, write_json)
 from .errors import LiteturboError
 from .kv import KV_CONFIG_FIELD, KV_PARAMS_FILE, kv_config_block, load_kv_params, save_kv_params
-from .quantized import load_quantized_linears, quantization_spec
+from .quantized import load_quantized_linears, quantization_spec, quantized_prefixes
 
 __all__ = [
     "ARCHITECTURES", "DECODER_LINEARS", "ArchSpec", "arch_spec", "awq_quantization_config", "pack_awq",
-    "unpack_awq", "atomic_output_dir", "check_checkpoint_dir", "check_output_dir", "copy_tokenizer_files", "liteturbo_home",
-    "load_config", "load_state_dict", "resolve_model", "write_json", "LiteturboError",
-    "load_quantized_linears", "quantization_spec", "KV_CONFIG_FIELD", "KV_PARAMS_FILE", "kv_config_block",
-    "load_kv_params", "save_kv_params",
+    "unpack_awq", "LazyStateDict", "atomic_output_dir", "check_checkpoint_dir", "check_output_dir",
+    "copy_tokenizer_files", "liteturbo_home", "load_config", "load_state_dict", "resolve_model", "write_json", "LiteturboError",
+    "load_quantized_linears", "quantization_spec", "quantized_prefixes", "KV_CONFIG_FIELD", "KV_PARAMS_FILE",
+    "kv_config_block", "load_kv_params", "save_kv_params",
 ]

@@ -1,8 +1,9 @@
 """Hugging Face checkpoint folders: resolve a model name, read config and weights, write atomically.
 
 A checkpoint folder holds ``config.json``, ``*.safetensors`` weights (one file or an index with shards) and
-tokenizer files. Writing goes to a temporary sibling folder renamed into place at the end, so a failed
-run never leaves a half-written checkpoint.
+tokenizer files. Weights are read whole (:func:`load_state_dict`) or one tensor at a time on demand
+(:class:`LazyStateDict`, which the engine's loader streams layer by layer). Writing goes to a temporary sibling
+folder renamed into place at the end, so a failed run never leaves a half-written checkpoint.
 """
 from __future__ import annotations
 
@@ -107,6 +108,115 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError) as e:
             raise LiteturboError(f"cannot read {f}: {e}; the file is damaged or not safetensors") from e
     return out
+
+
+def _safetensors_dtypes() -> dict[str, torch.dtype]:
+    """safetensors dtype names → torch dtypes (those this torch has)."""
+    names = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+             "U16": "uint16", "I16": "int16", "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32",
+             "F32": "float32", "U64": "uint64", "I64": "int64", "F64": "float64"}
+    return {k: getattr(torch, v) for k, v in names.items() if hasattr(torch, v)}
+
+
+class LazyStateDict:
+    """The tensors of a checkpoint folder, read from disk one at a time when asked for.
+
+    Construction validates each file of :func:`weight_files` with safetensors' ``safe_open`` and keeps only its
+    header index (name → file, dtype, shape, byte range). ``pop(name)`` / ``get(name)`` / ``self[name]`` read that
+    one tensor with plain file reads into a fresh torch-allocated CPU tensor in its stored dtype: no memory map
+    stays behind, dropping the tensor gives its bytes back, and the buffer has torch's alignment, so the numbers
+    a CPU GEMM computes from it do not depend on where the tensor sits in the file (they do for ``load_file``'s
+    mapped tensors). ``pop`` also forgets the name, so ``keys()`` lists what has not been consumed yet. ``shape``
+    and ``nbytes`` answer from the header without reading. Iteration, ``in`` and ``len`` work as for a dict; a
+    name present in several shards is read from the last one, as :func:`load_state_dict` does.
+
+    Raises ``LiteturboError`` for a listed shard that is missing, a file that cannot be read or a dtype this torch
+    lacks; ``KeyError`` from ``self[name]`` / ``pop(name)`` for an unknown name (``get`` / ``pop(name, default)``
+    return the default).
+    """
+
+    _MISSING = object()
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        # name -> (file, torch dtype, shape, absolute byte offset, byte count)
+        self._where: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int, int]] = {}
+        dtypes = _safetensors_dtypes()
+        for f in weight_files(self.path):
+            if not f.is_file():
+                raise LiteturboError(f"weight shard {f} listed in the index is missing")
+            try:
+                with safe_open(str(f), "pt") as h:  # validates the header and the byte ranges
+                    names = list(h.keys())
+                with open(f, "rb") as fh:
+                    n = int.from_bytes(fh.read(8), "little")
+                    header = json.loads(fh.read(n))
+            except Exception as e:  # SafetensorError, OSError, ValueError
+                raise LiteturboError(f"cannot read {f}: {e}; the file is damaged or not safetensors") from e
+            for k in names:
+                info = header[k]
+                if info["dtype"] not in dtypes:
+                    raise LiteturboError(f"{f}: tensor {k!r} has dtype {info['dtype']}, which this torch cannot hold")
+                start, end = info["data_offsets"]
+                self._where[k] = (f, dtypes[info["dtype"]], tuple(info["shape"]), 8 + n + start, end - start)
+
+    def keys(self) -> list[str]:
+        """Names not yet popped, in file order."""
+        return list(self._where)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of ``name`` from the header (nothing is read). Raises ``KeyError``."""
+        return self._where[name][2]
+
+    def nbytes(self, name: str) -> int:
+        """Bytes ``name`` takes on disk and once read (from the header). Raises ``KeyError``."""
+        return self._where[name][4]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._read(name)
+
+    def get(self, name: str, default=None):
+        """The tensor ``name`` read now, or ``default`` if the checkpoint lacks it."""
+        return self._read(name) if name in self._where else default
+
+    def pop(self, name: str, default=_MISSING):
+        """Read ``name`` and forget it; ``default`` (or ``KeyError`` without one) if the checkpoint lacks it."""
+        if name not in self._where:
+            if default is LazyStateDict._MISSING:
+                raise KeyError(name)
+            return default
+        t = self._read(name)
+        del self._where[name]
+        return t
+
+    def _read(self, name: str) -> torch.Tensor:
+        f, dtype, shape, offset, size = self._where[name]  # KeyError for an unknown name
+        buf = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        try:
+            with open(f, "rb", buffering=0) as fh:
+                fh.seek(offset)
+                done = 0
+                while done < size:  # one read() returns at most ~2 GiB on Linux
+                    got = fh.readinto(view[done:])
+                    if not got:
+                        raise OSError(f"the file ends {size - done} bytes early")
+                    done += got
+        except OSError as e:
+            raise LiteturboError(f"cannot read tensor {name!r} from {f}: {e}; the file is damaged or changed "
+                                 f"while loading") from e
+        return buf.view(dtype).view(shape)
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> None:

@@ -75,15 +75,23 @@ def quantization_spec(config: dict) -> QuantSpec | None:
     return spec
 
 
-def load_quantized_linears(state_dict: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, QuantizedWeight]:
-    """Pop every quantized linear (with its bias) from ``state_dict``.
+def quantized_prefixes(names, spec: QuantSpec) -> list[str]:
+    """Module paths (e.g. ``model.layers.0.mlp.up_proj``) of the quantized linears among tensor ``names``,
+    recognised by the format's packed-weight tensor (``qweight``, or ``weight_packed`` for compressed-tensors)."""
+    marker = ".weight_packed" if spec.method == "compressed-tensors" else ".qweight"
+    return [k[: -len(marker)] for k in names if k.endswith(marker)]
 
+
+def load_quantized_linears(state_dict, spec: QuantSpec, prefix: str = "") -> dict[str, QuantizedWeight]:
+    """Pop every quantized linear (with its bias) whose module path starts with ``prefix`` from ``state_dict``.
+
+    ``state_dict`` is a ``dict[str, Tensor]`` or a :class:`~lite.formats.checkpoint.LazyStateDict` (then only the
+    tensors of the matching linears are read: ``prefix="model.layers.3."`` unpacks one decoder layer).
     Returns ``{prefix: QuantizedWeight}``; ``prefix`` is the module path, e.g. ``model.layers.0.mlp.up_proj``.
     Raises ``LiteturboError`` naming the layer whose tensors are missing or malformed.
     """
-    marker = ".weight_packed" if spec.method == "compressed-tensors" else ".qweight"
     out = {}
-    for p in [k[: -len(marker)] for k in state_dict if k.endswith(marker)]:
+    for p in [q for q in quantized_prefixes(list(state_dict), spec) if q.startswith(prefix)]:
         try:
             bias = state_dict.pop(f"{p}.bias", None)
             if spec.method == "compressed-tensors":
