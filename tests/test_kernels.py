@@ -1,4 +1,5 @@
-"""Numerical tests of the TorchBackend kernels and RTN quantization against independent float64 references.
+"""Numerical tests of the backend kernels (TorchBackend; the paged attention tests over every backend usable here)
+and RTN quantization against independent float64 references.
 
 Every reference here is written out explicitly (no call into the library's own dequantize / attention code),
 so a bug shared by the kernel and the helper it would otherwise be compared with cannot hide.
@@ -10,12 +11,13 @@ import math
 import pytest
 import torch
 
+from backends import get_backend
 from backends.kv_cache import KVCacheSpec, KVQuantParams
 from backends.torch_backend import DequantHandle, Int4PackHandle, TorchBackend, _int8_tiled_mm
 from backends.types import AttentionMetadata, QuantizedWeight
 from lite.rtn import quantize_rtn
 
-from conftest import kv_dequant_ref_f64
+from conftest import kv_dequant_ref_f64, usable_backends
 
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
@@ -262,9 +264,10 @@ def _slots(table, start, end):
     return [table[i // BS] * BS + i % BS for i in range(start, end)]
 
 
-def _new_cache(dtype, kv_dtype=None, layers=2, params=None):
-    """A 2-layer cache; 16-bit caches are poisoned with NaN so that an unread-slot gather shows up."""
-    be = TorchBackend("cpu")
+def _new_cache(dtype, kv_dtype=None, layers=2, params=None, backend="torch"):
+    """A 2-layer cache of ``backend`` (on its default device); 16-bit caches are poisoned with NaN so that an
+    unread-slot gather shows up."""
+    be = TorchBackend("cpu") if backend == "torch" else get_backend(backend, "cpu")
     kv_dtype = kv_dtype or str(dtype).removeprefix("torch.")
     cache = be.allocate_kv_cache(KVCacheSpec(kv_dtype, NUM_BLOCKS, BS, layers, KVH, HD), dtype, params)
     if not cache.spec.quantized:
@@ -273,11 +276,11 @@ def _new_cache(dtype, kv_dtype=None, layers=2, params=None):
     return be, cache
 
 
-def _build_step(seqs, dtype, seed, kv_dtype=None, params=None):
+def _build_step(seqs, dtype, seed, kv_dtype=None, params=None, backend="torch"):
     """seqs: list of (cached, new, block_table). Writes the cached part as an earlier step would have,
     then this step's K/V through the cache, and returns everything needed to check attention."""
     gen = torch.Generator().manual_seed(seed)
-    be, cache = _new_cache(dtype, kv_dtype, params=params)
+    be, cache = _new_cache(dtype, kv_dtype, params=params, backend=backend)
     full_k, full_v, qs_list = [], [], []
     # earlier step(s): the already-cached tokens
     for cached, new, table in seqs:
@@ -359,8 +362,9 @@ SEQ_IDS = ["decode+chunk", "chunk+decode+prefill", "prefill+first", "three_decod
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("seqs", SEQ_CASES, ids=SEQ_IDS)
-def test_paged_attention_matches_naive_f64(seqs, dtype):
-    be, cache, q, meta, full_k, full_v = _build_step(seqs, dtype, seed=len(seqs) * 100 + 7)
+@pytest.mark.parametrize("backend_name", usable_backends())
+def test_paged_attention_matches_naive_f64(seqs, dtype, backend_name):
+    be, cache, q, meta, full_k, full_v = _build_step(seqs, dtype, seed=len(seqs) * 100 + 7, backend=backend_name)
     scale = 1.0 / math.sqrt(HD)
     out = be.attention(q, cache, 0, meta, scale)
     assert out.shape == q.shape and out.dtype == dtype
@@ -392,10 +396,12 @@ def test_paged_attention_matches_naive_f64(seqs, dtype):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("seqs", SEQ_CASES[:5], ids=SEQ_IDS[:5])
-def test_paged_attention_over_quantized_cache_matches_f64_of_dequantized_kv(seqs, kv_dtype):
+@pytest.mark.parametrize("backend_name", usable_backends())
+def test_paged_attention_over_quantized_cache_matches_f64_of_dequantized_kv(seqs, kv_dtype, backend_name):
     """Attention over an int8/int4 cache equals float64 attention over the float64-dequantized K/V of the
     reference quantizer (what the cache must hold), to float32 rounding."""
-    be, cache, q, meta, full_k, full_v = _build_step(seqs, torch.float32, seed=31, kv_dtype=kv_dtype)
+    be, cache, q, meta, full_k, full_v = _build_step(seqs, torch.float32, seed=31, kv_dtype=kv_dtype,
+                                                      backend=backend_name)
     bits = 8 if kv_dtype == "int8" else 4
     out = be.attention(q, cache, 0, meta, 1.0 / math.sqrt(HD))
     assert torch.isfinite(out).all()
@@ -415,7 +421,8 @@ def _hadamard_f64(d):
 
 @pytest.mark.parametrize("rotate", [False, True], ids=["scale+shift", "scale+shift+hadamard"])
 @pytest.mark.parametrize("seqs", SEQ_CASES[:5], ids=SEQ_IDS[:5])
-def test_paged_attention_over_calibrated_cache_matches_f64(seqs, rotate):
+@pytest.mark.parametrize("backend_name", usable_backends())
+def test_paged_attention_over_calibrated_cache_matches_f64(seqs, rotate, backend_name):
     """Calibrated int4 cache: attention (query transform, stored-space keys/values, output rotation) equals
     float64 attention over the keys/values the reference transform + quantizer + inverse gives (the shift is
     added back in the reference: attention must not depend on it)."""
@@ -424,7 +431,8 @@ def test_paged_attention_over_calibrated_cache_matches_f64(seqs, rotate):
     scale = torch.rand(2, KVH, HD, generator=gen) + 0.2
     flag = torch.tensor([rotate, False])
     params = KVQuantParams(shift, scale, flag, flag)
-    be, cache, q, meta, full_k, full_v = _build_step(seqs, torch.float32, seed=32, kv_dtype="int4", params=params)
+    be, cache, q, meta, full_k, full_v = _build_step(seqs, torch.float32, seed=32, kv_dtype="int4", params=params,
+                                                      backend=backend_name)
     out = be.attention(q, cache, 0, meta, 1.0 / math.sqrt(HD))
     h = _hadamard_f64(HD) if rotate else torch.eye(HD, dtype=torch.float64)
     sh, sc = shift[0].double(), scale[0].double()
