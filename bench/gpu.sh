@@ -29,7 +29,7 @@ step env bash -c "nvidia-smi; $PY -m turbo.cli env"
 step tests $PY -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_engine.py \
   tests/test_platform.py -m "not slow"
 step kernels bash -c "$PY bench/kernels.py --suite llama3 --device cuda --json > '$RES/kernels.json' && \
-  $PY -c 'import json,sys; sys.path.insert(0,\"bench\"); import kernels; kernels.print_llama3(json.load(open(\"$RES/kernels.json\"))[\"llama3\"])'"
+  $PY -c 'import json,sys; sys.path.insert(0,\"bench\"); import kernels; r = json.load(open(\"$RES/kernels.json\"))[\"llama3\"]; kernels.print_llama3(r); kernels.print_elementwise(r)'"
 step model bash -c "[ -f '$MODEL/config.json' ] || $PY bench/load_memory.py --make-llama3-8b '$MODEL' --tokenizer"
 step load_memory $PY bench/load_memory.py "$MODEL" --device cuda --json
 step decode $PY bench/gpu_decode.py "$MODEL" --device cuda --backends triton,torch --kv auto,int8,int4 \

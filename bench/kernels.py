@@ -20,6 +20,8 @@ torch paths on a CPU):
    (the backend's own dequantizer) then ``F.linear``.
 5. Paged decode attention, 32 query / 8 KV heads of 128 (Llama-3-8B), batch x context (4096 on GPUs): time,
    GB/s of KV read (values and scales), decode rows per second, for 16-bit, int8 and int4 KV.
+6. RMSNorm fused with the residual add (hidden 4096) and SiLU-and-mul (14336): the backend's vs the torch
+   reference's ops on the same device, M = 1, 16, 256 (whether the Triton kernels are worth keeping on).
 """
 from __future__ import annotations
 
@@ -122,6 +124,21 @@ def llama3_suite(device: torch.device, backend_name: str, quick: bool) -> dict:
         res["decode_attention"].append({"kv": kvd, "batch": batch, "context": ctx, "us": us,
                                         "gb_s": kv_bytes / us / 1e3, "rows_per_s": batch / us * 1e6})
         del cache
+    # 6. elementwise: the backend's fused ops vs the torch reference's on the same device
+    ref = get_backend("torch", device)
+    res["elementwise"] = []
+    hidden, inter = 4096, 14336
+    w = torch.ones(hidden, device=device, dtype=dtype)
+    for m in (1, 16, 256):
+        x = torch.randn(m, hidden, device=device, dtype=dtype)
+        r = torch.randn(m, hidden, device=device, dtype=dtype)
+        gu = torch.randn(m, 2 * inter, device=device, dtype=dtype)
+        n = 100 if gpu else 5
+        for op, f_be, f_ref in (("add_rms_norm", lambda: be.add_rms_norm(x, r, w, 1e-5),
+                                 lambda: ref.add_rms_norm(x, r, w, 1e-5)),
+                                ("silu_and_mul", lambda: be.silu_and_mul(gu), lambda: ref.silu_and_mul(gu))):
+            a, b = timed(f_be, n, device), timed(f_ref, n, device)
+            res["elementwise"].append({"op": op, "m": m, "us": a, "us_torch": b, "vs_torch": b / a})
     return res
 
 
@@ -204,6 +221,12 @@ def print_llama3(res: dict) -> None:
               f"{r['rows_per_s']:>9.0f}")
 
 
+def print_elementwise(res: dict) -> None:
+    print(f"{'elementwise op':>20} {'M':>4} {'us':>9} {'torch us':>9} {'speedup':>8}")
+    for r in res.get("elementwise", []):
+        print(f"{r['op']:>20} {r['m']:>4} {r['us']:>9.1f} {r['us_torch']:>9.1f} {r['vs_torch']:>7.2f}x")
+
+
 def main() -> None:
     """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,6 +253,7 @@ def main() -> None:
         print_choices(out["choices"])
     if "llama3" in out:
         print_llama3(out["llama3"])
+        print_elementwise(out["llama3"])
 
 
 if __name__ == "__main__":
