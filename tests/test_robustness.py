@@ -99,14 +99,14 @@ def test_pool_larger_than_memory_is_refused_before_allocating(smollm2_rtn_g64):
 
 @pytest.mark.slow
 def test_sampling_failure_ends_only_that_request(engine, monkeypatch):
-    real = engine_mod.sample
+    real = engine_mod.sample_batch
 
-    def flaky(logits, temperature, *a, **k):
-        if temperature == 0.7:
+    def flaky(logits, rows, row_index=None):
+        if any(r.temperature == 0.7 for r in rows):
             raise RuntimeError("boom in sampling")
-        return real(logits, temperature, *a, **k)
+        return real(logits, rows, row_index)
 
-    monkeypatch.setattr(engine_mod, "sample", flaky)
+    monkeypatch.setattr(engine_mod, "sample_batch", flaky)
     good = engine.add_request("The capital of France is", GenerationConfig(max_new_tokens=5, ignore_eos=True))
     bad = engine.add_request("The sky is", GenerationConfig(max_new_tokens=5, temperature=0.7, seed=1))
     for _ in range(50):

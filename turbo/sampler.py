@@ -177,21 +177,23 @@ def sample_batch_device(logits: torch.Tensor, rows: Sequence[RowSampling], row_i
     k = max((r.logprobs for r in rows), default=0)
     if k:
         lp_vals, lp_ids = _top_logprobs(x, k)
+    # rows with NaN logits or nothing left to pick get token id -1 (no host sync here; sample_batch raises)
+    bad = torch.isnan(x).any(-1) | ~(x.amax(-1) > float("-inf"))
     greedy = [i for i, r in enumerate(rows) if r.temperature <= 0.0]
     if len(greedy) == n:
-        return x.argmax(-1), lp_vals, lp_ids
+        return x.argmax(-1).masked_fill_(bad, -1), lp_vals, lp_ids
     drawn = [i for i, r in enumerate(rows) if r.temperature > 0.0]
     sel = torch.tensor(drawn, dtype=torch.long).to(dev) if len(drawn) < n else None
     temp = torch.tensor([rows[i].temperature for i in drawn], dtype=torch.float32).to(dev)
     s = (x if sel is None else x.index_select(0, sel)) / temp[:, None]
     picks = _draw(s, [rows[i] for i in drawn])
     if sel is None:
-        return picks, lp_vals, lp_ids
+        return picks.masked_fill_(bad, -1), lp_vals, lp_ids
     tok = torch.empty(n, dtype=torch.long, device=dev)
     tok[sel] = picks
     g = torch.tensor(greedy, dtype=torch.long).to(dev)
     tok[g] = x.index_select(0, g).argmax(-1)
-    return tok, lp_vals, lp_ids
+    return tok.masked_fill_(bad, -1), lp_vals, lp_ids
 
 
 def sample_batch(logits: torch.Tensor, rows: Sequence[RowSampling], row_index: Sequence[int] | None = None
@@ -199,7 +201,7 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowSampling], row_index: S
     """:func:`sample_batch_device`, then one device→host transfer of the ids (and log-probabilities asked for)."""
     tok, lp_vals, lp_ids = sample_batch_device(logits, rows, row_index)
     if lp_vals is None:
-        return [Sampled(t) for t in tok.tolist()]
+        return _checked([Sampled(t) for t in tok.tolist()])
     # one transfer: ids packed beside the log-probabilities, exact in float32 while ids < 2**24
     vocab = logits.shape[-1]
     dtype = torch.float32 if vocab <= 2**24 else torch.float64
@@ -210,6 +212,16 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowSampling], row_index: S
         n = r.logprobs
         lp = [(int(i), v) for i, v in zip(row[1:1 + n], row[1 + k:1 + k + n])] if n else None
         out.append(Sampled(int(row[0]), lp))
+    return _checked(out)
+
+
+def _checked(out: list[Sampled]) -> list[Sampled]:
+    """Raise ``ValueError`` naming the first row whose logits were NaN or all ``-inf`` (token id -1)."""
+    for i, o in enumerate(out):
+        if o.token_id < 0:
+            raise ValueError(f"sampling row {i}: the logits are NaN or all -inf (a numerical overflow in the model, "
+                             f"e.g. float16 activations: try dtype='bfloat16' or 'float32'; or every token was "
+                             f"banned)")
     return out
 
 
