@@ -7,8 +7,6 @@ imports only torch (and triton inside :mod:`backends.triton`, only when that bac
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from .ascend import AscendBackend

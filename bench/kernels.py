@@ -101,7 +101,7 @@ def llama3_suite(device: torch.device, backend_name: str, quick: bool) -> dict:
             res["w4a16"].append({"k": k, "n": n, "m": m, "us": us, "gb_s": gbs, "copy_fraction": gbs / res["copy_gb_s"],
                                  "vs_16bit": us16 / us, "vs_dequant_matmul": usdq / us, "us_16bit": us16,
                                  "us_dequant_matmul": usdq})
-        del dense, h
+        dense = h = deq = None  # free the weights before the next shape
     h_q, kvh, d, bs = 32, 8, 128, 64
     batch, ctx = (16, 4096) if gpu else (4, 1024)
     for kv in ("16bit", "int8", "int4"):
@@ -123,7 +123,7 @@ def llama3_suite(device: torch.device, backend_name: str, quick: bool) -> dict:
         kv_bytes = batch * ctx * 2 * kvh * spec.bytes_per_token_head()
         res["decode_attention"].append({"kv": kvd, "batch": batch, "context": ctx, "us": us,
                                         "gb_s": kv_bytes / us / 1e3, "rows_per_s": batch / us * 1e6})
-        del cache
+        cache = None
     # 6. elementwise: the backend's fused ops vs the torch reference's on the same device
     ref = get_backend("torch", device)
     res["elementwise"] = []

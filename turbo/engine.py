@@ -25,7 +25,7 @@ from .config import EngineConfig, GenerationConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .model import LlamaModel
 from .sampler import RowSampling, sample_batch
-from .scheduler import Scheduler, ScheduledStep, Sequence, Status
+from .scheduler import Scheduler, ScheduledStep, Sequence
 
 
 @dataclass

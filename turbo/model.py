@@ -13,8 +13,7 @@ import torch
 
 from backends import Backend, PagedKVCache, QuantizedWeight
 from backends.types import AttentionMetadata
-from lite.formats import (LiteturboError, arch_spec, load_config, load_quantized_linears, load_state_dict,
-                          quantization_spec)
+from lite.formats import LiteturboError, arch_spec, load_config, load_quantized_linears, quantization_spec
 
 
 @dataclass
@@ -164,6 +163,7 @@ class LlamaModel:
         Raises ``LiteturboError`` on bad input (missing or misshaped tensors, layers beyond
         ``num_hidden_layers``, partly quantized fused linears, unreadable files).
         """
+        # looked up at call time so that tests and bench/load_memory.py can swap the reader
         from lite.formats import LazyStateDict, quantized_prefixes
 
         raw = load_config(path)

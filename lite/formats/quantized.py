@@ -5,6 +5,7 @@ honouring ``checkpoint_format``), compressed-tensors ``pack-quantized`` W4A16 (g
 """
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,8 @@ def quantized_prefixes(names, spec: QuantSpec) -> list[str]:
     return [k[: -len(marker)] for k in names if k.endswith(marker)]
 
 
-def load_quantized_linears(state_dict, spec: QuantSpec, prefix: str = "") -> dict[str, QuantizedWeight]:
+def load_quantized_linears(state_dict: MutableMapping[str, torch.Tensor], spec: QuantSpec,
+                           prefix: str = "") -> dict[str, QuantizedWeight]:
     """Pop every quantized linear (with its bias) whose module path starts with ``prefix`` from ``state_dict``.
 
     ``state_dict`` is a ``dict[str, Tensor]`` or a :class:`~lite.formats.checkpoint.LazyStateDict` (then only the
