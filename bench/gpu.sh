@@ -14,6 +14,12 @@ mkdir -p "$RES"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 MODEL="${LLAMA3_DIR:-/tmp/llama3-8b-w4a16-random}"
+# overrides for a smoke test elsewhere, e.g. on a CPU:
+#   DEVICE=cpu BACKENDS=torch MAKE_LAYERS=1 REQUESTS=2 NEW_TOKENS=4 SKIP_TESTS=1 QUICK=1 bash bench/gpu.sh /tmp/r
+DEVICE="${DEVICE:-cuda}"
+BACKENDS="${BACKENDS:-triton,torch}"
+REQUESTS="${REQUESTS:-32}"
+NEW_TOKENS="${NEW_TOKENS:-128}"
 fails=0
 step() {  # step NAME CMD...: run, tee to RES/NAME.log, count failures
   local name="$1"; shift
@@ -26,13 +32,15 @@ step() {  # step NAME CMD...: run, tee to RES/NAME.log, count failures
 }
 
 step env bash -c "nvidia-smi; $PY -m turbo.cli env"
-step tests $PY -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_engine.py \
-  tests/test_platform.py -m "not slow"
-step kernels bash -c "$PY bench/kernels.py --suite llama3 --device cuda --json > '$RES/kernels.json' && \
+[ -n "${SKIP_TESTS:-}" ] || step tests $PY -m pytest -q -x -p no:cacheprovider tests/test_triton_kernels.py \
+  tests/test_triton_engine.py tests/test_platform.py tests/test_kernels.py -m "not slow"
+step kernels bash -c "$PY bench/kernels.py --suite llama3 --device $DEVICE ${QUICK:+--quick} --json > '$RES/kernels.json' && \
   $PY -c 'import json,sys; sys.path.insert(0,\"bench\"); import kernels; r = json.load(open(\"$RES/kernels.json\"))[\"llama3\"]; kernels.print_llama3(r); kernels.print_elementwise(r)'"
-step model bash -c "[ -f '$MODEL/config.json' ] || $PY bench/load_memory.py --make-llama3-8b '$MODEL' --tokenizer"
-step load_memory $PY bench/load_memory.py "$MODEL" --device cuda --json
-step decode $PY bench/gpu_decode.py "$MODEL" --device cuda --backends triton,torch --kv auto,int8,int4 \
-  --requests 32 --prompt-len 128 --new-tokens 128
+step model bash -c "[ -f '$MODEL/tokenizer.json' ] || { $PY bench/load_memory.py --make-llama3-8b '$MODEL' \
+  ${MAKE_LAYERS:+--make-layers $MAKE_LAYERS} && \
+  $PY -c 'import sys; sys.path.insert(0, \"tests\"); from tiny_models import save_word_tokenizer; save_word_tokenizer(\"$MODEL\", 128256)'; }"
+step load_memory $PY bench/load_memory.py "$MODEL" --device "$DEVICE" --modes stream --json
+step decode $PY bench/gpu_decode.py "$MODEL" --device "$DEVICE" --backends "$BACKENDS" --kv auto,int8,int4 \
+  --requests "$REQUESTS" --prompt-len 128 --new-tokens "$NEW_TOKENS"
 echo "failed steps: $fails" | tee "$RES/summary.txt"
 exit "$fails"

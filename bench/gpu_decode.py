@@ -25,7 +25,7 @@ def run(model: str, device: str, backend: str, kv: str, prompt_len: int, new_tok
         max_kv_tokens: int) -> dict:
     engine = Engine(model, EngineConfig(device=device, backend=backend, kv_cache_dtype=kv, max_kv_tokens=max_kv_tokens,
                                         max_batch_size=max(requests, 1), max_num_batched_tokens=4096))
-    vocab = engine.model.cfg.vocab_size
+    vocab = min(engine.model.cfg.vocab_size, len(engine.tokenizer))  # ids the tokenizer can decode
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, vocab, (prompt_len,), generator=g).tolist() for _ in range(requests)]
     sync = torch.cuda.synchronize if engine.backend.device.type == "cuda" else (lambda: None)
