@@ -44,6 +44,9 @@ def get_backend(name: str = "auto", device: torch.device | str = "auto", **kwarg
     fix when the backend cannot run on ``device`` (e.g. Triton on a CPU without ``TRITON_INTERPRET=1``).
     """
     plat = current_platform(device)
+    if not isinstance(name, str):
+        raise ValueError(f"backend must be a name ({', '.join(['auto'] + available_backends())}), got {name!r}")
+    name = name.strip().lower()
     if name == "auto":
         name = plat.default_backend()
     if name not in _REGISTRY:

@@ -142,7 +142,10 @@ def current_platform(device: str | torch.device = "auto") -> Platform:
 
     Raises ``ValueError`` naming the problem and the fix for an unknown device or one this machine lacks.
     """
-    dev = str(device).strip().lower() if not isinstance(device, torch.device) else str(device)
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)} (optionally with :N) or a torch.device, "
+                         f"got {device!r}")
+    dev = str(device).strip().lower()
     if dev == "auto":
         if torch.cuda.is_available():
             dev = "cuda"
@@ -150,9 +153,10 @@ def current_platform(device: str | torch.device = "auto") -> Platform:
             dev = "npu"
         else:
             dev = "cpu"
-    kind = dev.split(":", 1)[0]
-    if kind not in ("cpu", "cuda", "npu"):
-        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)} (optionally with :N), got {device!r}")
+    kind, _, index = dev.partition(":")
+    if kind not in ("cpu", "cuda", "npu") or (index and not index.isdigit()) or (kind == "cpu" and index not in ("", "0")):
+        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)} (cuda and npu optionally with a device "
+                         f"index :N, N >= 0), got {device!r}")
     if kind == "cpu":
         import psutil
 
@@ -179,5 +183,6 @@ def current_platform(device: str | torch.device = "auto") -> Platform:
 
 
 def triton_interpret() -> bool:
-    """Whether Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``; numpy on the CPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton kernels run in Triton's interpreter (numpy on the CPU): ``TRITON_INTERPRET`` read as Triton
+    reads it (``1``, ``true``, ``on``, ``yes``, ``y``, any case; anything else is off)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")

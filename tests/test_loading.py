@@ -236,7 +236,7 @@ ERRORS = {  # name: (checkpoint maker, edit, expected message)
     "intermediate-awq": ("awq", lambda p: _edit_config(p, intermediate_size=128), "gate_proj has shape"),
     "fewer-layers": ("awq", lambda p: _edit_config(p, num_hidden_layers=1), "beyond num_hidden_layers=1"),
     "more-layers": ("fp32", lambda p: _edit_config(p, num_hidden_layers=4),
-                    "lacks tensor 'model.layers.3.input_layernorm.weight'"),
+                    "num_hidden_layers=4 but the weights hold no tensor of decoder layer 3"),
     "missing-norm": ("fp32", lambda p: _edit_tensors(p, _without("model.layers.1.post_attention_layernorm.weight")),
                      "lacks tensor 'model.layers.1.post_attention_layernorm.weight'"),
     "missing-lm-head": ("fp32", lambda p: _edit_tensors(p, _without("lm_head.weight")), "lacks lm_head.weight"),

@@ -375,3 +375,34 @@ def test_env_table_and_bad_device(monkeypatch):
     assert any(line.strip().startswith("w4a16_linear") for line in lines)
     bad = CliRunner().invoke(main, ["env", "--device", "tpu"])
     assert bad.exit_code == 2 and "device must be one of auto, cpu, cuda, npu" in bad.output
+
+
+@pytest.mark.parametrize("bad", ["cpu:1", "cpu:-3", "cuda:x", "cuda:-1", "npu:abc", "mps", "", None, 5])
+def test_malformed_devices_are_refused_with_the_choices(bad):
+    from backends import current_platform
+
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda, npu"):
+        current_platform(bad)
+
+
+def test_device_and_backend_spellings():
+    from backends import current_platform, get_backend
+    from turbo.config import EngineConfig
+
+    assert current_platform(" CPU ").kind == "cpu" and current_platform(torch.device("cpu")).kind == "cpu"
+    assert get_backend(" Torch ", "cpu").name == "torch"
+    cfg = EngineConfig(device=torch.device("cpu"), backend="TORCH")
+    assert cfg.device == "cpu" and cfg.backend == "torch"
+    with pytest.raises(ValueError, match="backend must be a name"):
+        get_backend(None, "cpu")
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("ON", True), ("yes", True), ("y", True),
+                                      ("0", False), ("", False), ("false", False), ("2", False), (" 1", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value, on):
+    from backends.platform import triton_interpret
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_interpret() is on
+    triton_c = pytest.importorskip("triton._C.libtriton")
+    assert triton_c.getenv_bool("TRITON_INTERPRET", False) is on  # the same answer as Triton's own reader

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
+from lite.formats import LiteturboError
 from turbo.sampler import RowSampling, sample_batch, top_logprobs
 
 NEG = float("-inf")
@@ -308,11 +309,50 @@ def test_nan_or_all_banned_logits_raise_naming_the_row():
     logits = torch.randn(3, 10)
     logits[1, 4] = float("nan")
     rows = [RowSampling(), RowSampling(), RowSampling(temperature=0.8, generator=torch.Generator().manual_seed(0))]
-    with pytest.raises(ValueError, match="row 1: the logits are NaN or all -inf"):
+    with pytest.raises(LiteturboError, match="row 1: the logits are NaN or all -inf"):
         sample_batch(logits, rows)
     logits = torch.full((2, 10), float("-inf"))
     logits[0, 3] = 1.0
     ok = sample_batch(logits[:1], rows[:1])
     assert ok[0].token_id == 3
-    with pytest.raises(ValueError, match="row 1"):
+    with pytest.raises(LiteturboError, match="row 1"):
         sample_batch(logits, [RowSampling(), RowSampling(temperature=0.8, generator=torch.Generator())])
+
+
+def test_nan_logits_fail_only_their_request_and_session_recovers(tmp_path):
+    """A token whose embedding is NaN: the turn that uses it fails with an error naming the request, other requests
+    finish, and the session's next turn works (the failed turn's tokens and K/V are not kept)."""
+    from safetensors.torch import load_file, save_file
+
+    from tiny_models import build_key_outlier_model
+    from turbo import Engine, EngineConfig
+
+    from transformers import AutoTokenizer
+
+    path = build_key_outlier_model(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(str(path))
+    sd = load_file(str(path / "model.safetensors"))
+    engine0 = Engine(path, EngineConfig(dtype="float32", max_kv_tokens=512, block_size=8))
+    bad_id = engine0.encode("the")[0]
+    sd["model.embed_tokens.weight"][bad_id] = float("nan")
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    engine = Engine(path, EngineConfig(dtype="float32", max_kv_tokens=512, block_size=8))
+    from turbo import GenerationConfig
+
+    g3 = GenerationConfig(max_new_tokens=3, ignore_eos=True)
+    good = engine.add_request("of and to in", g3)
+    bad = engine.add_request("of the and", g3)
+    while engine.has_unfinished():
+        engine.step()
+    assert good.finish_reason == "length" and len(good.output_ids) == 3
+    assert bad.finish_reason == "error" and isinstance(bad.error, LiteturboError)
+    assert f"request {bad.seq.seq_id}: the logits are NaN" in str(bad.error)
+    s = engine.session()
+    first = s.chat("of and", max_new_tokens=2)
+    with pytest.raises(LiteturboError, match="NaN"):
+        s.chat("the", max_new_tokens=2)
+    assert len(s.messages) == 2  # the failed turn left no message
+    again = s.chat("of and", max_new_tokens=2)  # not poisoned by the failed turn's K/V
+    assert isinstance(again, str) and again == first  # greedy, same conversation so far

@@ -125,7 +125,7 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backen
                                 "kv_cache_dtype": st["kv_cache_dtype"], "kv_calibrated": st["kv_calibrated"]}))
     else:
         cal = ", calibrated keys" if st["kv_calibrated"] else ""
-        click.echo(f"{model}: WikiText-2 test PPL {r['ppl']:.3f} over {r['windows']} windows of {seqlen} tokens, "
+        click.echo(f"{model}: WikiText-2 test PPL {r['ppl']:.3f} over {r['windows']} window{'s' if r['windows'] != 1 else ''} of {seqlen} tokens, "
                    f"KV cache {st['kv_cache_dtype']}{cal} ({r['seconds']:.0f} s)")
 
 

@@ -85,8 +85,11 @@ class EngineConfig:
     kv_calibration: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.device, torch.device):
+            self.device = str(self.device)
         for name in ("backend", "device", "dtype", "lm_head"):
             _coerce(self, name, "str")
+        self.backend = self.backend.strip().lower()
         for name in ("block_size", "max_kv_tokens", "max_num_batched_tokens", "max_batch_size"):
             _coerce(self, name, "int")
         for name in ("num_blocks", "session_len", "quant_policy"):

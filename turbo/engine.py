@@ -24,7 +24,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig, GenerationConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .model import LlamaModel
-from .sampler import RowSampling, sample_batch
+from .sampler import RowSampling, SamplingError, sample_batch
 from .scheduler import Scheduler, ScheduledStep, Sequence
 
 
@@ -162,6 +162,11 @@ class Engine:
         except (ValueError, RuntimeError) as e:
             raise LiteturboError(str(e)) from None
         self.dtype = self.config.torch_dtype()
+        if self.platform.kind == "cpu" and self.dtype == torch.float16:
+            import warnings
+
+            warnings.warn("float16 on a CPU is emulated: about 10x slower than bfloat16 here; use dtype='bfloat16' "
+                          "(or 'auto')", stacklevel=2)
         raw_cfg = load_config(self.path)
         lm_int8 = self.config.lm_head == "int8" or (
             self.config.lm_head == "auto" and bool(raw_cfg.get("quantization_config"))
@@ -526,9 +531,11 @@ class Engine:
                 picks = sample_batch(logits, opts, [row for row, _ in ready])
             except Exception:  # some request's sampling failed: find it by sampling each row alone
                 picks = []
-                for (row, _), opt in zip(ready, opts):
+                for (row, req), opt in zip(ready, opts):
                     try:
                         picks.append(sample_batch(logits, [opt], [row])[0])
+                    except SamplingError as e:
+                        picks.append(LiteturboError(f"request {req.seq.seq_id}: {e.reason}"))
                     except Exception as e:
                         picks.append(e)
             for (_, req), pick in zip(ready, picks):
@@ -776,6 +783,13 @@ class Session:
             reply = out.text if out.token_ids else "".join(pieces)
             if out.token_ids or pieces:
                 self.messages = messages + [{"role": "assistant", "content": reply}]
+            if out.finish_reason == "error":
+                # the failed turn's tokens and K/V must not poison the next turns: drop the token history and
+                # its blocks; the next turn renders ``messages`` again and recomputes (full blocks of earlier
+                # turns still come from the prefix cache)
+                with self.engine._lock:
+                    self.engine.scheduler.finish(self.seq)
+                self.seq = Sequence(seq_id=next(self.engine._ids))
             self.last = out
             self.busy = False
 

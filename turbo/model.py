@@ -176,7 +176,8 @@ class LlamaModel:
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = sd.pop(name, None)
             if t is None and required:
-                raise LiteturboError(f"checkpoint {path} lacks tensor {name!r}")
+                raise LiteturboError(f"checkpoint {path} lacks tensor {name!r} (an incomplete copy or download, or a "
+                                     f"config.json that does not belong to these weights)")
             return t
 
         def check(name: str, shape: tuple, expected: tuple, fields: str) -> None:
@@ -198,6 +199,12 @@ class LlamaModel:
             raise LiteturboError(f"the weights hold decoder layers beyond num_hidden_layers={cfg.num_layers} in "
                                  f"config.json (e.g. layer {extra_layers[0]}); config.json does not belong to these "
                                  f"weights")
+        held = {int(k.split(".")[2]) for k in sd if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+        missing = [i for i in range(cfg.num_layers) if i not in held]
+        if missing:
+            raise LiteturboError(f"config.json says num_hidden_layers={cfg.num_layers} but the weights hold no tensor "
+                                 f"of decoder layer {missing[0]} ({len(held)} layers found); a shard is missing or "
+                                 f"config.json does not belong to these weights")
         if qspec:
             outside = sorted(p for p in quantized_prefixes(sd, qspec) if not p.startswith("model.layers."))
             if outside:

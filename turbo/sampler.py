@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lite.formats import LiteturboError
+
 _NEG_INF = float("-inf")
 
 
@@ -215,13 +217,21 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowSampling], row_index: S
     return _checked(out)
 
 
+class SamplingError(LiteturboError):
+    """A row could not be sampled; ``row`` is its index in the batch, ``reason`` says why and what to do."""
+
+    def __init__(self, row: int, reason: str) -> None:
+        super().__init__(f"sampling row {row}: {reason}")
+        self.row, self.reason = row, reason
+
+
 def _checked(out: list[Sampled]) -> list[Sampled]:
-    """Raise ``ValueError`` naming the first row whose logits were NaN or all ``-inf`` (token id -1)."""
+    """Raise :class:`SamplingError` naming the first row whose logits were NaN or all ``-inf`` (token id -1)."""
     for i, o in enumerate(out):
         if o.token_id < 0:
-            raise ValueError(f"sampling row {i}: the logits are NaN or all -inf (a numerical overflow in the model, "
-                             f"e.g. float16 activations: try dtype='bfloat16' or 'float32'; or every token was "
-                             f"banned)")
+            raise SamplingError(i, "the logits are NaN or all -inf (a numerical overflow in the model, e.g. "
+                                   "float16 activations: try dtype='bfloat16' or 'float32'; a damaged checkpoint; or "
+                                   "every token was banned)")
     return out
 
 

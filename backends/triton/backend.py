@@ -117,6 +117,8 @@ class TritonBackend(TorchBackend):
     def op_coverage(cls, platform=None) -> dict[str, str]:
         """See :meth:`Backend.op_coverage`."""
         interp = " (Triton interpreter)" if platform is not None and platform.kind == "cpu" else ""
+        if platform is not None and cls.unsupported_reason(platform):
+            return {op: "not usable here (see the reason)" for op in super().op_coverage(platform)}
         k = "triton kernel" + interp
         return {
             **super().op_coverage(platform),

@@ -23,13 +23,13 @@ that is how the tests check them on machines without a GPU.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # as triton.jit reads it
+from ..platform import triton_interpret
+
+_INTERPRET = triton_interpret()  # read when triton.jit decorates the kernels below, as Triton reads it
 
 
 POISON = False  # tests set it: every output buffer starts as NaN (floats) / 0xA5 (integers), so an unwritten element fails
