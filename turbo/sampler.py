@@ -180,7 +180,7 @@ def sample_batch_device(logits: torch.Tensor, rows: Sequence[RowSampling], row_i
     if k:
         lp_vals, lp_ids = _top_logprobs(x, k)
     # rows with NaN logits or nothing left to pick get token id -1 (no host sync here; sample_batch raises)
-    bad = torch.isnan(x).any(-1) | ~(x.amax(-1) > float("-inf"))
+    bad = ~(x.amax(-1) > float("-inf"))  # amax propagates NaN, and NaN > -inf is False
     greedy = [i for i, r in enumerate(rows) if r.temperature <= 0.0]
     if len(greedy) == n:
         return x.argmax(-1).masked_fill_(bad, -1), lp_vals, lp_ids
