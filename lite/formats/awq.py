@@ -19,6 +19,7 @@ import torch
 from backends.types import QuantizedWeight
 
 from .errors import LiteturboError
+from .packing import int32_nibbles
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 # position in the packed nibbles of output channel j (within its pack of 8)
@@ -46,10 +47,8 @@ def unpack_awq_int32(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
     """Inverse of :func:`pack_awq_int32`: int32 ``[R, C]`` → uint8 codes ``[R, C * 32 / bits]``."""
     if bits != 4:
         raise LiteturboError(f"the AWQ GEMM format stores 4-bit codes only, got bits={bits}")
-    per = 32 // bits
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    nib = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [R, C, 8] by nibble
-    return nib[:, :, AWQ_REVERSE_ORDER].reshape(packed.shape[0], -1).to(torch.uint8)
+    nib = int32_nibbles(packed)  # [R, C, 8] by nibble position
+    return nib[:, :, AWQ_REVERSE_ORDER].reshape(packed.shape[0], -1)
 
 
 def pack_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:

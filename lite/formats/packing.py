@@ -5,6 +5,8 @@ Value ``j`` of each pack of ``32/bits`` consecutive values along ``dim`` sits in
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .errors import LiteturboError
@@ -27,16 +29,30 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return packed.t().contiguous() if dim == 0 else packed.contiguous()
 
 
+def int32_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[R, C]`` → uint8 ``[R, C, 8]``: nibble ``j`` of each word = its bits ``4j .. 4j+3``.
+
+    Reads the words' bytes (little-endian: byte ``b`` holds nibbles ``2b`` low and ``2b+1`` high), so the work and
+    the temporaries stay in uint8 (1/8 of an int64 shift-and-mask); big-endian machines take the int64 path."""
+    r, c = packed.shape
+    if sys.byteorder != "little":
+        shifts = torch.arange(8, dtype=torch.int64, device=packed.device) * 4
+        return ((packed.to(torch.int64).unsqueeze(-1) >> shifts) & 15).to(torch.uint8)
+    b = packed.contiguous().view(torch.uint8).view(r, c, 4)
+    return torch.stack([b & 15, b >> 4], -1).view(r, c, 8)
+
+
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int, size: int) -> torch.Tensor:
     """Inverse of :func:`pack_int32`: int32 → uint8 codes with ``size`` entries along ``dim``."""
     if packed.dtype != torch.int32:
         raise LiteturboError(f"packed tensor must be int32, got {packed.dtype}")
     per = 32 // bits
-    p = packed.to(torch.int64)
-    if dim == 0:
-        p = p.t()
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    vals = ((p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(p.shape[0], -1)
+    p = packed.t() if dim == 0 else packed
+    if bits == 4:
+        vals = int32_nibbles(p).reshape(p.shape[0], -1)
+    else:
+        shifts = torch.arange(per, dtype=torch.int64) * bits
+        vals = ((p.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(p.shape[0], -1)
     if vals.shape[1] < size:
         raise LiteturboError(f"packed tensor holds {vals.shape[1]} values along dim {dim}, expected {size}")
     vals = vals[:, :size].to(torch.uint8)
