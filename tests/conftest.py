@@ -79,3 +79,13 @@ def kv_dequant_ref_f64(x: torch.Tensor, bits: int) -> torch.Tensor:
     zero = torch.round(-lo / scale).clamp(0, qmax)
     code = torch.clamp(torch.round(xd / scale) + zero, 0, qmax)
     return (code - zero) * scale
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped without a CUDA GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -218,6 +218,7 @@ def test_one_host_sync_per_call(monkeypatch):
     assert dict(calls) == {"tolist": 1}
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_rows_match_cpu_rules():
     dev = torch.device("cuda")

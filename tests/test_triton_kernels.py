@@ -288,3 +288,44 @@ def test_triton_attention_step_equals_torch(kv_dtype, batch_invariant, partition
     want = ref.attention(q, c_ref, 0, meta("cpu"), 0.25)
     assert torch.isfinite(got).all()
     assert (got - want).abs().max().item() < 1e-5
+
+
+# --- compiled on a GPU: the tensor-core path and the split heuristics the interpreter never takes -------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 14336), (14336, 4096)])
+def test_gpu_w4a16_llama3_shapes_match_float64(dtype, k, n):
+    be = get_backend("triton", "cuda")
+    qw = _qweight(n, k, 128, seed=k + n)
+    h = be.prepare_w4a16(qw, dtype)
+    w64 = qw.dequantize(torch.float64).cuda()
+    for m in (1, 4, 16, 64, 256):  # split-K, tiles, and the dequantize + cuBLAS path from 128 rows
+        x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(dtype)
+        y = be.w4a16_linear(x, h)
+        ref = x.double() @ w64.T
+        assert _rel(y, ref) < TOL[dtype], (m, k, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8", "int4"])
+def test_gpu_paged_attention_long_context_split_matches_torch(kv_dtype):
+    """4k-token contexts with few rows: the automatic flash-decoding split against the torch backend on the GPU."""
+    bs, kvh, h, d, ctx, b = 64, 8, 32, 128, 4096, 2
+    nb = b * ctx // bs + 1
+    spec = KVCacheSpec(kv_dtype, nb, bs, 1, kvh, d)
+    tri, ref = get_backend("triton", "cuda"), get_backend("torch", "cuda")
+    c_tri, c_ref = tri.allocate_kv_cache(spec, torch.float16), ref.allocate_kv_cache(spec, torch.float16)
+    g = torch.Generator("cuda").manual_seed(0)
+    k = torch.randn(nb * bs, kvh, d, device="cuda", generator=g).half()
+    v = torch.randn(nb * bs, kvh, d, device="cuda", generator=g).half()
+    slots = torch.arange(nb * bs, device="cuda")
+    c_tri.write(0, k, v, slots)
+    c_ref.write(0, k, v, slots)
+    tables = [list(range(i * ctx // bs + 1, (i + 1) * ctx // bs + 1)) for i in range(b)]
+    q = torch.randn(b, h, d, device="cuda", generator=g).half()
+    meta = AttentionMetadata(slots[:b], list(range(b + 1)), [ctx, ctx - 37], tables, bs)
+    got = tri.attention(q, c_tri, 0, meta, d ** -0.5)
+    want = ref.attention(q, c_ref, 0, AttentionMetadata(slots[:b], list(range(b + 1)), [ctx, ctx - 37], tables, bs),
+                         d ** -0.5)
+    assert meta.scratch["triton_attn"][5] > 0  # the split was taken
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
