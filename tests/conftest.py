@@ -11,11 +11,11 @@ if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def usable_backends() -> list[str]:
-    """Backends that run on this machine's default device (torch always; triton on a GPU or interpreted)."""
+def usable_backends(device: str = "auto") -> list[str]:
+    """Backends that run on ``device`` here (torch always; triton on a GPU, or on the CPU when interpreted)."""
     from backends import current_platform
 
-    return current_platform("auto").usable_backends()
+    return current_platform(device).usable_backends()
 
 
 def run_turbo_logits(model, token_chunks: list[list[int]], block_size: int = 4, num_blocks: int = 64,

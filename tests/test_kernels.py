@@ -362,7 +362,7 @@ SEQ_IDS = ["decode+chunk", "chunk+decode+prefill", "prefill+first", "three_decod
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("seqs", SEQ_CASES, ids=SEQ_IDS)
-@pytest.mark.parametrize("backend_name", usable_backends())
+@pytest.mark.parametrize("backend_name", usable_backends("cpu"))
 def test_paged_attention_matches_naive_f64(seqs, dtype, backend_name):
     be, cache, q, meta, full_k, full_v = _build_step(seqs, dtype, seed=len(seqs) * 100 + 7, backend=backend_name)
     scale = 1.0 / math.sqrt(HD)
@@ -396,7 +396,7 @@ def test_paged_attention_matches_naive_f64(seqs, dtype, backend_name):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("seqs", SEQ_CASES[:5], ids=SEQ_IDS[:5])
-@pytest.mark.parametrize("backend_name", usable_backends())
+@pytest.mark.parametrize("backend_name", usable_backends("cpu"))
 def test_paged_attention_over_quantized_cache_matches_f64_of_dequantized_kv(seqs, kv_dtype, backend_name):
     """Attention over an int8/int4 cache equals float64 attention over the float64-dequantized K/V of the
     reference quantizer (what the cache must hold), to float32 rounding."""
@@ -421,7 +421,7 @@ def _hadamard_f64(d):
 
 @pytest.mark.parametrize("rotate", [False, True], ids=["scale+shift", "scale+shift+hadamard"])
 @pytest.mark.parametrize("seqs", SEQ_CASES[:5], ids=SEQ_IDS[:5])
-@pytest.mark.parametrize("backend_name", usable_backends())
+@pytest.mark.parametrize("backend_name", usable_backends("cpu"))
 def test_paged_attention_over_calibrated_cache_matches_f64(seqs, rotate, backend_name):
     """Calibrated int4 cache: attention (query transform, stored-space keys/values, output rotation) equals
     float64 attention over the keys/values the reference transform + quantizer + inverse gives (the shift is

@@ -19,6 +19,11 @@ from conftest import usable_backends  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _d(t):
+    """On the kernels' device (the GPU, or the CPU for Triton's interpreter)."""
+    return None if t is None else t.to(DEVICE)
+
+
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch):
     from backends.triton import kernels
@@ -79,17 +84,19 @@ def test_w4a16_gemm_symmetric_bias_ragged_k_and_gidx(poisoned, dtype):
     x = torch.randn(5, 52).to(dtype)
     ref = x.double() @ qw.dequantize(torch.float64).T + qw.bias.double()
     for split in (1, 2):
-        y = poisoned.w4a16_gemm(x, poisoned.pack_w4(qw.qweight), qw.scales, qw.qzeros, 52, 37, 52, bias=qw.bias,
-                                split_k=split)
-        assert _rel(y, ref) < TOL[dtype]
+        y = poisoned.w4a16_gemm(_d(x), _d(poisoned.pack_w4(qw.qweight)), _d(qw.scales), _d(qw.qzeros), 52, 37, 52,
+                                bias=_d(qw.bias), split_k=split)
+        assert _rel(y.cpu(), ref) < TOL[dtype]
     # an explicit, irregular g_idx (groups of unequal size) is read per input channel
     g_idx = torch.randint(0, 3, (96,), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
     qw = _qweight(40, 96, 32, g_idx=g_idx, seed=5)
     x = torch.randn(3, 96).to(dtype)
-    y = poisoned.w4a16_gemm(x, poisoned.pack_w4(qw.qweight), qw.scales.to(dtype), qw.qzeros, 32, 40, 96, g_idx=g_idx)
-    assert _rel(y, x.double() @ qw.dequantize(torch.float64).T) < TOL[dtype]
-    w = poisoned.dequantize_w4(poisoned.pack_w4(qw.qweight), qw.scales, qw.qzeros, 32, 40, 96, torch.float32, g_idx)
-    assert _rel(w, qw.dequantize(torch.float64).T) < 1e-7
+    y = poisoned.w4a16_gemm(_d(x), _d(poisoned.pack_w4(qw.qweight)), _d(qw.scales.to(dtype)), _d(qw.qzeros), 32, 40,
+                            96, g_idx=_d(g_idx))
+    assert _rel(y.cpu(), x.double() @ qw.dequantize(torch.float64).T) < TOL[dtype]
+    w = poisoned.dequantize_w4(_d(poisoned.pack_w4(qw.qweight)), _d(qw.scales), _d(qw.qzeros), 32, 40, 96,
+                               torch.float32, _d(g_idx))
+    assert _rel(w.cpu(), qw.dequantize(torch.float64).T) < 1e-7
 
 
 def _act_order_gidx(k, gs, seed):
@@ -98,7 +105,7 @@ def _act_order_gidx(k, gs, seed):
     return (torch.argsort(perm) // gs).to(torch.int32)
 
 
-@pytest.mark.parametrize("backend_name", usable_backends())
+@pytest.mark.parametrize("backend_name", usable_backends(DEVICE))
 @pytest.mark.parametrize("case", ["plain", "act-order", "irregular-gidx", "bias", "dense-path", "bits3"])
 def test_backend_w4a16_linear(backend_name, case):
     dtype = torch.bfloat16 if backend_name != "triton" or DEVICE == "cuda" else torch.float32
@@ -202,7 +209,9 @@ def test_kv_write_is_bit_identical_to_reference(poisoned, bits, dtype):
     scale = torch.full((kvh, n), float("nan"), dtype=torch.float16)
     zero = torch.full((kvh, n), 0xA5, dtype=torch.uint8)
     slots = torch.tensor([17, 2, 9, 0, 4, 11, 19, 6, 13])
-    poisoned.kv_write_quantized(x, slots, store, scale, zero, bits)
+    store, scale, zero = _d(store), _d(scale), _d(zero)
+    poisoned.kv_write_quantized(_d(x), _d(slots), store, scale, zero, bits)
+    store, scale, zero = store.cpu(), scale.cpu(), zero.cpu()
     codes, s, z = quantize_per_token(x, bits)
     if bits == 4:
         codes = pack_int4(codes)
@@ -224,8 +233,8 @@ def test_rms_norm_and_fused_residual(poisoned, dtype, hidden):
         hd = h.double()
         return hd / torch.sqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
 
-    assert _rel(poisoned.rms_norm(x, w, 1e-5), ref(x)) < TOL[dtype]
-    normed, h = poisoned.rms_norm(x, w, 1e-5, residual=res)
+    assert _rel(poisoned.rms_norm(_d(x), _d(w), 1e-5).cpu(), ref(x)) < TOL[dtype]
+    normed, h = (t.cpu() for t in poisoned.rms_norm(_d(x), _d(w), 1e-5, residual=_d(res)))
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         # Triton's interpreter truncates float32 -> bfloat16 (GPUs round to nearest even): one bf16 ulp apart
         assert torch.allclose(h.float(), (x + res).float(), rtol=2.0 ** -7, atol=0)
@@ -240,10 +249,10 @@ def test_silu_and_mul(poisoned, dtype, inter):
     gu = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(dtype) * 3
     gd = gu.double()
     ref = torch.nn.functional.silu(gd[:, :inter]) * gd[:, inter:]
-    assert _rel(poisoned.silu_and_mul(gu), ref) < TOL[dtype]
+    assert _rel(poisoned.silu_and_mul(_d(gu)).cpu(), ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("backend_name", usable_backends())
+@pytest.mark.parametrize("backend_name", usable_backends(DEVICE))
 def test_backend_fused_ops_agree_with_reference(backend_name):
     be = get_backend(backend_name, DEVICE)
     ref = get_backend("torch", "cpu")
