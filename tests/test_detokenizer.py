@@ -36,3 +36,23 @@ def test_stop_string_split_across_pieces():
     m3 = StopStringMatcher(["xyz"])
     out3 = "".join(m3.feed(p) for p in ["ab", "cx", "y"]) + m3.flush()
     assert out3 == "abcxy" and not m3.stopped
+
+
+def test_flush_drops_only_an_incomplete_last_character(tok):
+    """At the end of generation the held-back text is released without its incomplete last character: the text is
+    what was streamed, never a U+FFFD (which a re-decode of all ids would give)."""
+    star = tok("🌟", add_special_tokens=False)["input_ids"]
+    assert len(star) == 3  # one character over three byte-level tokens
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.add(i) for i in star + star[:2]]
+    assert pieces == ["", "", "🌟", "", ""] and tok.decode(star + star[:2]) == "🌟\ufffd"
+    assert d.flush() == ""
+    # a token holding a complete character (a space) and the first byte of another: the space is kept
+    space_byte = next(i for i in range(tok.vocab_size) if tok.decode([i]) == " \ufffd")
+    d = IncrementalDetokenizer(tok)
+    ids = tok("北", add_special_tokens=False)["input_ids"] + [space_byte]
+    pieces = [d.add(i) for i in ids]
+    assert "".join(pieces) == "北" and pieces[-1] == ""
+    assert d.flush() == " " and d.flush() == ""
+    d = IncrementalDetokenizer(tok)
+    assert [d.add(i) for i in star][-1] == "🌟" and d.flush() == ""  # nothing held: nothing to release

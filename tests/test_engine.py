@@ -153,3 +153,134 @@ def test_min_new_tokens_logprobs_and_penalties(engine):
     apple = set(engine.encode(" apple"))
     assert rep.token_ids != plain.token_ids
     assert sum(t in apple for t in rep.token_ids) <= sum(t in apple for t in plain.token_ids)
+
+
+# --- one reply text, whichever way it is read (issue 10) ------------------------------------------------------
+CUT_PROMPT = "Repeat after me: 北京北京北京"  # the reply repeats CJK characters, two byte-level tokens each
+
+
+@pytest.fixture(scope="module")
+def cut_case(engine):
+    """``(n, ids)``: the greedy reply ``ids`` to CUT_PROMPT, and the smallest token limit ``n`` that cuts it inside
+    a multi-byte character after some complete text."""
+    s = engine.session()
+    s.chat(CUT_PROMPT, max_new_tokens=12)
+    ids = s.last.token_ids
+    s.close()
+    tok = engine.tokenizer
+    cuts = [n for n in range(1, len(ids) + 1) if tok.decode(ids[:n]).endswith("\ufffd") and tok.decode(ids[:n])[:-1]]
+    assert cuts, f"the reply {tok.decode(ids)!r} has no multi-byte character to cut"
+    return cuts[0], ids
+
+
+def _cut_gens(engine, cut_case):
+    """(gen, expected finish reason, expected text) for a reply cut by the token limit, the same with a stop
+    string holding text back until the end, and a reply cut by a stop string."""
+    n, ids = cut_case
+    tok = engine.tokenizer
+    kept = tok.decode(ids[:n])[:-1]  # the complete characters before the cut one
+    full = tok.decode(ids)
+    stop = full[len(kept)]  # the character the limit cut
+    return [(GenerationConfig(max_new_tokens=n), "length", kept),
+            (GenerationConfig(max_new_tokens=n, stop=[kept[-1] + "#"]), "length", kept),
+            (GenerationConfig(max_new_tokens=len(ids), stop=[stop]), "stop", full[:full.index(stop)])]
+
+
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["length", "length-stop-held", "stop"])
+def test_reply_text_is_one_text_everywhere(engine, cut_case, case):
+    """The smallest case: a token limit that ends the reply inside a multi-byte character. The stream, the
+    non-streamed reply, ``GenerationOutput.text`` and the session history are the same text, without U+FFFD, and
+    the next turn's prompt carries that text."""
+    gen, reason, expected = _cut_gens(engine, cut_case)[case]
+    n, ids = cut_case
+    tok = engine.tokenizer
+    s = engine.session()
+    pieces = list(s.chat(CUT_PROMPT, stream=True, gen=gen))
+    out = s.last
+    assert out.finish_reason == reason
+    if reason == "length":
+        assert out.token_ids == ids[:n] and tok.decode(out.token_ids).endswith("\ufffd")  # the cut is real
+    assert expected and "\ufffd" not in expected
+    assert "".join(pieces) == out.text == s.messages[-1]["content"] == expected
+    prompt = engine.chat_template_ids([{"role": "user", "content": CUT_PROMPT}])
+    assert engine.generate(prompt, gen).text == expected
+    s.chat("Thanks.", max_new_tokens=2)
+    next_prompt = tok.decode(s.seq.token_ids[:s.last.prompt_tokens])
+    assert expected + "<|im_end|>" in next_prompt and "\ufffd" not in next_prompt
+    s.close()
+
+
+def test_cancelled_and_failed_replies_keep_exactly_the_streamed_text(engine, cut_case, monkeypatch):
+    """A cancel (the client goes away, or ``Engine.cancel``) or an error ends the text where the stream ended:
+    text held back as a possible stop-string start is not added to the output or the history afterwards."""
+    n, ids = cut_case
+    full = engine.tokenizer.decode(ids)
+    hold = GenerationConfig(max_new_tokens=len(ids), stop=[full[0] + "#"])  # always holds one character back
+    s = engine.session()
+    it = s.chat(CUT_PROMPT, stream=True, gen=hold)
+    first = next(it)
+    it.close()  # the client went away
+    assert s.last.finish_reason == "cancelled" and len(s.last.token_ids) > len(first)
+    assert s.last.text == s.messages[-1]["content"] == first and full.startswith(first)
+
+    prompt = engine.chat_template_ids([{"role": "user", "content": CUT_PROMPT}])
+    req = engine.add_request(prompt, hold)
+    streamed = ""
+    while not streamed:
+        engine.step()
+        streamed += req.take_text()
+    engine.cancel(req)
+    streamed += req.take_text()
+    out = engine.output(req)
+    assert out.finish_reason == "cancelled" and out.text == streamed == first
+
+    s2 = engine.session()
+    it = s2.chat(CUT_PROMPT, stream=True, gen=hold)
+    pieces = [next(it)]
+
+    def lost(step):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "run", lost)
+    with pytest.raises(RuntimeError, match="device lost"):
+        pieces += list(it)
+    monkeypatch.undo()
+    assert s2.last.finish_reason == "error"
+    assert s2.last.text == s2.messages[-1]["content"] == "".join(pieces) == first
+    s.close()
+    s2.close()
+    assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]
+
+
+def test_raw_text_gets_the_tokenizers_bos_and_chat_prompts_only_the_templates(tmp_path):
+    """Raw text (generate, add_request, perplexity) is tokenized as the tokenizer does by default: one BOS; a chat
+    prompt has the BOS its template writes, and no second one."""
+    import math
+
+    from tiny_models import build_key_outlier_model, save_word_tokenizer
+    from turbo.perplexity import perplexity, window_nll
+
+    path = build_key_outlier_model(tmp_path / "m")
+    save_word_tokenizer(path, 128, bos=True)  # adds <s> (id 2) before every text; its template writes <s>
+    e = Engine(path, EngineConfig(dtype="float32", max_kv_tokens=512, block_size=8))
+    bos = e.tokenizer.bos_token_id
+    assert bos == 2
+    text = "the of and to in a is that for the of and to"
+    plain = e.encode(text, add_special_tokens=False)
+    assert bos not in plain and len(plain) == 13
+    assert e.encode(text) == [bos] + plain
+    req = e.add_request(text, GenerationConfig(max_new_tokens=1))
+    assert req.seq.token_ids == [bos] + plain
+    e.cancel(req)
+    assert e.generate(text, max_new_tokens=1).prompt_tokens == 14
+
+    chat = e.chat_template_ids([{"role": "user", "content": text}])
+    assert chat[0] == bos and chat.count(bos) == 1
+    s = e.session()
+    s.chat(text, max_new_tokens=1)
+    assert s.seq.token_ids[:s.last.prompt_tokens] == chat
+    s.close()
+
+    ppl = perplexity(e, text, seqlen=8, max_windows=1, progress=False)["ppl"]
+    assert ppl == pytest.approx(math.exp(window_nll(e, [bos] + plain[:7])), rel=1e-6)
+    assert ppl != pytest.approx(math.exp(window_nll(e, plain[:8])), rel=1e-3)

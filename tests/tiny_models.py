@@ -44,18 +44,28 @@ def build_key_outlier_model(path: Path, seed: int = 0) -> Path:
     return Path(path)
 
 
-def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+def save_word_tokenizer(path: Path, vocab_size: int, bos: bool = False) -> None:
     """A word-level tokenizer over the most frequent words of the bundled C4 sample (``[UNK]``, ``</s>`` first),
-    so that a tiny model reads real calibration text and runs in the engine."""
+    so that a tiny model reads real calibration text and runs in the engine.
+
+    ``bos``: token 2 is ``<s>``, which the tokenizer adds before every text (as Llama's does), and the chat
+    template writes it once itself (``{{ bos_token }}`` at its start)."""
     import collections
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     import calib_data
 
     counts = collections.Counter(w for doc in calib_data.load_rows("c4")[:200] for w in doc.split())
-    words = ["[UNK]", "</s>"] + [w for w, _ in counts.most_common(vocab_size - 2)]
+    specials = ["[UNK]", "</s>"] + (["<s>"] if bos else [])
+    words = specials + [w for w, _ in counts.most_common(vocab_size - len(specials))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>").save_pretrained(path)
+    extra = {}
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 2)])
+        extra = dict(bos_token="<s>", chat_template="{{ bos_token }}{% for m in messages %}{{ m['role'] }} "
+                                                    "{{ m['content'] }} {% endfor %}assistant")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>", **extra).save_pretrained(path)

@@ -23,6 +23,7 @@ from lite.formats import LiteturboError, load_config, load_kv_params, resolve_mo
 from .block_manager import BlockManager
 from .config import EngineConfig, GenerationConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .errors import Conflict, InvalidRequest
 from .model import LlamaModel
 from .sampler import RowSampling, SamplingError, sample_batch
 from .scheduler import Scheduler, ScheduledStep, Sequence
@@ -49,6 +50,10 @@ class StepInput:
 class GenerationOutput:
     """Result of one request: text, generated ids, why it stopped, and timings (seconds).
 
+    text: exactly the streamed pieces joined (the one source of a reply's text, also stored in a session's
+    history): cut before a stop string, special tokens skipped, and without an incomplete multi-byte character
+    at the end (the token limit cut it; see :mod:`turbo.detokenizer`). A cancelled or failed request's text is
+    what had been released when it ended (text held back as a possible stop-string start is dropped).
     finish_reason: ``stop`` (EOS, stop string or stop id), ``length`` (max_new_tokens or the context),
     ``cancelled``, ``error`` (the step or its sampling raised; the stream/generate call re-raises it).
     """
@@ -112,6 +117,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
+    text: str = ""  # all text released so far: the streamed pieces joined, and GenerationOutput.text
     finish_reason: str | None = None
     cached_tokens: int = -1
     error: BaseException | None = None  # why it finished with finish_reason "error"
@@ -123,6 +129,12 @@ class Request:
     def finished(self) -> bool:
         """True once the request stopped (any reason)."""
         return self.finish_reason is not None
+
+    def release(self, piece: str) -> None:
+        """Publish ``piece`` of output text: it is streamed (:meth:`take_text`) and ends up in ``text``."""
+        if piece:
+            self.pending.append(piece)
+            self.text += piece
 
     def take_text(self) -> str:
         """Text produced since the last call."""
@@ -274,23 +286,26 @@ class Engine:
                     kv_bytes_per_token=self.runner.kv_cache.spec.bytes_per_token(),
                     kv_pool_tokens=self.block_manager.num_blocks * self.block_manager.block_size)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without special tokens added. Raises ``LiteturboError`` for text that is not
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of raw ``text`` as the model's tokenizer makes them: by default with the special tokens it
+        adds (a BOS where the tokenizer adds one), as transformers and vLLM tokenize a raw prompt;
+        ``add_special_tokens=False`` for a fragment of text. Raises ``LiteturboError`` for text that is not
         valid Unicode (e.g. undecodable bytes read with ``surrogateescape``)."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise LiteturboError(f"the text holds bytes that are not valid UTF-8 (at character {e.start}); "
                                  f"decode your input as UTF-8 (errors='replace' keeps the rest)") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def chat_template_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered by the tokenizer's chat template, ready for the reply."""
+        """Token ids of a conversation rendered by the tokenizer's chat template, ready for the reply. The
+        template alone places special tokens (its own BOS, if it writes one): none is added on top."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise LiteturboError(f"the tokenizer of {self.path} has no chat template; use Engine.generate with a "
                                  f"plain prompt instead")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.encode(text)
+        return self.encode(text, add_special_tokens=False)
 
     def session(self, system: str | None = None) -> "Session":
         """A new stateful chat session (its KV cache survives between turns while memory allows)."""
@@ -404,8 +419,9 @@ class Engine:
                     seq: Sequence | None = None) -> Request:
         """Queue a request; ``seq`` continues an existing sequence (a session), reusing its computed prefix.
 
-        ``priority``: lower runs first (and is preempted last). Raises ``LiteturboError`` for a bad prompt,
-        option or priority."""
+        A text prompt is raw text, tokenized by :meth:`encode` (with the tokenizer's own special tokens, e.g. a
+        BOS); token ids are used as given. ``priority``: lower runs first (and is preempted last). Raises
+        ``LiteturboError`` for a bad prompt, option or priority."""
         with self._lock:
             return self._add_request(prompt, gen, priority, seq)
 
@@ -459,9 +475,12 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.t_end = time.perf_counter()
-        tail = req.stopper.flush()
-        if tail:
-            req.pending.append(tail)
+        # generation ran to its end: release what was held back (a possible stop-string start; an incomplete
+        # last character is dropped). A cancelled or failed request releases nothing more: its text stays what
+        # was already streamed.
+        if reason in ("length", "stop"):
+            req.release(req.stopper.feed(req.detok.flush()))
+            req.release(req.stopper.flush())
         self.scheduler.finish(req.seq, keep_cache=req.keep_cache)
         self.requests.pop(req.seq.seq_id, None)
 
@@ -578,9 +597,7 @@ class Engine:
         self.counters["generated_tokens"] += 1
         if tok in req.stop_ids:
             return self._finish(req, "stop")
-        piece = req.stopper.feed(req.detok.add(tok))
-        if piece:
-            req.pending.append(piece)
+        req.release(req.stopper.feed(req.detok.add(tok)))
         if req.stopper.stopped:
             return self._finish(req, "stop")
         if len(req.output_ids) >= gen.max_new_tokens or seq.num_tokens >= self.session_len:
@@ -593,12 +610,8 @@ class Engine:
         if not req.finished:
             raise LiteturboError("the request is still running: step the engine until req.finished (or cancel it)")
         ids = req.output_ids
-        text = self.tokenizer.decode([t for t in ids if t not in req.stop_ids], skip_special_tokens=True)
-        if req.gen.stop and req.stopper.stopped:
-            cuts = [text.find(s) for s in req.gen.stop if s and s in text]
-            text = text[:min(cuts)] if cuts else text
         t_first = req.t_first or req.t_end or req.t_arrival
-        return GenerationOutput(text=text, token_ids=list(ids), finish_reason=req.finish_reason,
+        return GenerationOutput(text=req.text, token_ids=list(ids), finish_reason=req.finish_reason,
                                 prompt_tokens=req.prompt_len, cached_tokens=max(req.cached_tokens, 0),
                                 ttft=t_first - req.t_arrival, decode_seconds=(req.t_end or t_first) - t_first,
                                 logprobs=list(req.logprobs))
@@ -748,13 +761,30 @@ class Session:
 
     def _check_idle(self) -> None:
         if self.busy:
-            raise LiteturboError("a reply is still streaming on this session; read it to the end or close() the "
-                                 "stream first (or open another session)")
+            raise Conflict("a reply is still streaming on this session; read it to the end or close() the "
+                           "stream first (or open another session)")
 
     def _turn(self, message: str, gen: GenerationConfig, priority: int) -> Iterator[str]:
-        with self.engine._lock:  # runs at the first next(): a stream never started holds nothing
+        req, messages = self.begin_turn(message, gen, priority)  # runs at the first next(): a stream never
+        pieces: list[str] = []                                    # started holds nothing
+        out = None
+        try:
+            for item in self.engine._drive(req):
+                if isinstance(item, GenerationOutput):
+                    out = item
+                else:
+                    pieces.append(item)
+                    yield item
+        finally:
+            self.end_turn(req, messages, out, pieces)
+
+    def begin_turn(self, message: str, gen: GenerationConfig, priority: int = 0) -> tuple[Request, list[dict]]:
+        """Mark the session busy and queue its next turn: the request and the conversation it answers. Whoever drives
+        the request (this session's stream, or :class:`turbo.loop.EngineLoop`) must call :meth:`end_turn` after.
+        Raises ``Conflict`` for a busy session, ``InvalidRequest`` for a closed one or a bad prompt."""
+        with self.engine._lock:
             if self.closed:
-                raise LiteturboError("this session is closed; open a new one with engine.session()")
+                raise InvalidRequest("this session is closed; open a new one with engine.session()")
             self._check_idle()
             self.busy = True
         try:
@@ -765,33 +795,28 @@ class Session:
             self.busy = False
             raise
         req.keep_cache = True
-        pieces: list[str] = []
-        out = None
-        try:
-            for item in self.engine._drive(req):
-                if isinstance(item, GenerationOutput):
-                    out = item
-                else:
-                    pieces.append(item)
-                    yield item
-        finally:
-            # a consumer that stops early (client gone) still leaves a consistent history: the partial reply
-            # is the assistant's turn, and ``last`` is its output with finish_reason "cancelled"
-            if out is None:
-                self.engine.cancel(req)
-                out = self.engine.output(req)
-            reply = out.text if out.token_ids else "".join(pieces)
-            if out.token_ids or pieces:
-                self.messages = messages + [{"role": "assistant", "content": reply}]
-            if out.finish_reason == "error":
-                # the failed turn's tokens and K/V must not poison the next turns: drop the token history and
-                # its blocks; the next turn renders ``messages`` again and recomputes (full blocks of earlier
-                # turns still come from the prefix cache)
-                with self.engine._lock:
-                    self.engine.scheduler.finish(self.seq)
-                self.seq = Sequence(seq_id=next(self.engine._ids))
-            self.last = out
-            self.busy = False
+        return req, messages
+
+    def end_turn(self, req: Request, messages: list[dict], out: GenerationOutput | None, pieces: list[str]) -> None:
+        """Record a finished (or abandoned) turn: ``out`` is the request's output, or ``None`` when the consumer
+        stopped early (the request is cancelled here); ``pieces`` the text streamed so far."""
+        # a consumer that stops early (client gone) still leaves a consistent history: the partial reply is the
+        # assistant's turn, and ``last`` is its output with finish_reason "cancelled"
+        if out is None:
+            self.engine.cancel(req)
+            out = self.engine.output(req)
+        reply = out.text if out.token_ids else "".join(pieces)
+        if out.token_ids or pieces:
+            self.messages = messages + [{"role": "assistant", "content": reply}]
+        if out.finish_reason == "error":
+            # the failed turn's tokens and K/V must not poison the next turns: drop the token history and its
+            # blocks; the next turn renders ``messages`` again and recomputes (full blocks of earlier turns still
+            # come from the prefix cache)
+            with self.engine._lock:
+                self.engine.scheduler.finish(self.seq)
+            self.seq = Sequence(seq_id=next(self.engine._ids))
+        self.last = out
+        self.busy = False
 
     def save(self, path: str | Path, include_kv: bool = False) -> Path:
         """Write the session (messages, token history, optionally its KV) to folder ``path``, atomically.

@@ -1,6 +1,7 @@
 """Perplexity through turbo's own model (so quantized checkpoints are scored by the kernels that run them).
 
-Protocol (GPTQ, Frantar et al. 2023, Sec. 4; AWQ's ``eval``): tokenize the whole text once, cut it into
+Protocol (GPTQ, Frantar et al. 2023, Sec. 4; AWQ's ``eval``): tokenize the whole text once as raw text (with
+the tokenizer's own special tokens, as ``Engine.encode``: a BOS at the very start where it adds one), cut it into
 non-overlapping windows of ``seqlen`` tokens (the remainder is dropped), score every next-token prediction
 inside each window, ``PPL = exp(mean over windows of the mean NLL)``.
 
@@ -58,7 +59,7 @@ def perplexity(engine: Engine, text: str, seqlen: int = 2048, max_windows: int |
     if max_windows is not None and max_windows < 1:
         raise LiteturboError(f"--max-windows must be at least 1, got {max_windows} (leave it out to score all)")
     t0 = time.perf_counter()
-    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = engine.encode(text)
     n_win = len(ids) // seqlen
     if n_win == 0:
         raise LiteturboError(f"the text has {len(ids)} tokens, fewer than one window of --seqlen {seqlen}")

@@ -1,0 +1,240 @@
+"""The engine loop for servers: one background thread drives ``Engine.step()``; callers submit requests and read
+their outputs from per-request queues, from any thread (sync) or any asyncio event loop (async).
+
+The model's forward never runs on the caller's thread or on an event loop, so HTTP I/O stays responsive while a
+step computes. Text pieces go out as the step produces them; the last event of a request is its
+:class:`~turbo.engine.GenerationOutput`, or the exception that ended it. A consumer that goes away cancels its
+request, which frees its KV blocks at the loop's next turn.
+
+    loop = EngineLoop(engine).start()
+    h = loop.submit("The sky is", GenerationConfig(max_new_tokens=16))
+    for piece in h: ...               # str pieces; h.output is the GenerationOutput afterwards
+    async for piece in loop.submit_chat(session, "Hi", gen): ...
+    loop.stop()
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from typing import Any, Iterator
+
+from .config import GenerationConfig
+from .engine import Engine, GenerationOutput, Request, Session
+from lite.formats import LiteturboError
+
+from .errors import InternalError, InvalidRequest, OverCapacity
+
+
+
+@contextlib.contextmanager
+def _typed():
+    """Request checks raise plain ``LiteturboError``s: they are invalid requests (400); typed ones pass through."""
+    try:
+        yield
+    except LiteturboError as e:
+        if type(e) is LiteturboError:
+            raise InvalidRequest(str(e)) from None
+        raise
+
+
+class RequestHandle:
+    """One submitted request: iterate it (sync or ``async for``) for its text pieces; then ``output`` holds its
+    :class:`GenerationOutput`. Iteration re-raises the error that ended the request. ``cancel()`` stops it."""
+
+    def __init__(self, loop: "EngineLoop", req: Request, on_end=None) -> None:
+        self.loop, self.request = loop, req
+        self.output: GenerationOutput | None = None
+        self.pieces: list[str] = []
+        self._q: queue.Queue = queue.Queue()
+        self._on_end = on_end  # called once on the loop thread with (output or None) when the request ends
+        self._ended = False
+
+    # --- producer side (loop thread) ---------------------------------------------------------------------
+    def _push(self, item: Any) -> None:
+        self._q.put(item)
+        waiter = getattr(self, "_waiter", None)
+        if waiter is not None:
+            aloop, ev = waiter
+            aloop.call_soon_threadsafe(ev.set)
+
+    # --- consumer side -----------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[str]:
+        try:
+            while True:
+                item = self._q.get()
+                if self._consume(item):
+                    return
+                yield item
+        finally:
+            if self.output is None:
+                self.cancel()
+
+    async def __aiter__(self):
+        aloop = asyncio.get_running_loop()
+        ev = asyncio.Event()
+        self._waiter = (aloop, ev)
+        try:
+            while True:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    ev.clear()
+                    if self._q.empty():
+                        await ev.wait()
+                    continue
+                if self._consume(item):
+                    return
+                yield item
+        finally:
+            self._waiter = None
+            if self.output is None:
+                self.cancel()
+
+    def _consume(self, item: Any) -> bool:
+        """True at the end; raises the request's error."""
+        if isinstance(item, GenerationOutput):
+            self.output = item
+            return True
+        if isinstance(item, BaseException):
+            raise item
+        self.pieces.append(item)
+        return False
+
+    def result(self) -> GenerationOutput:
+        """Wait for the end (sync) and return the :class:`GenerationOutput`; raises the request's error."""
+        for _ in self:
+            pass
+        return self.output
+
+    def cancel(self) -> None:
+        """Stop the request (idempotent); its blocks are freed at the loop's next turn."""
+        self.loop._call(lambda: self.loop._cancel(self))
+
+
+class EngineLoop:
+    """Drives one :class:`Engine` from a background thread. ``max_waiting``: requests queued beyond the running
+    batch before :meth:`submit` refuses with :class:`OverCapacity` (503)."""
+
+    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._handles: dict[int, RequestHandle] = {}
+        self._calls: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        """Start the loop thread (idempotent); returns self."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="liteturbo-engine-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what runs, stop the thread and wait for it."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- submitting ------------------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], gen: GenerationConfig | None = None, priority: int = 0) -> RequestHandle:
+        """Queue a raw prompt (text or token ids). Raises ``InvalidRequest`` for a bad prompt or options (checked
+        here, on the caller's thread) and ``OverCapacity`` when too many requests wait."""
+        self._check_capacity()
+        with self.engine._lock, _typed():
+            req = self.engine.add_request(prompt, gen or GenerationConfig(), priority=priority)
+            return self._register(RequestHandle(self, req))
+
+    def submit_chat(self, session: Session, message: str, gen: GenerationConfig | None = None,
+                    priority: int = 0) -> RequestHandle:
+        """Queue the next turn of ``session``; its history is updated when the turn ends (also when cancelled or
+        failed, as :meth:`Session.end_turn` does). Raises ``Conflict`` while the session generates."""
+        if not isinstance(message, str) or not message.strip():
+            raise InvalidRequest("the message must be a non-empty str")
+        self._check_capacity()
+        with _typed():
+            req, messages = session.begin_turn(message, gen or GenerationConfig(), priority)
+        handle = RequestHandle(self, req)
+        handle._on_end = lambda out: session.end_turn(req, messages, out, handle.pieces_sent)
+        with self.engine._lock:
+            return self._register(handle)
+
+    def _check_capacity(self) -> None:
+        if len(self.engine.scheduler.waiting) >= self.max_waiting:
+            raise OverCapacity(f"{len(self.engine.scheduler.waiting)} requests are waiting (max_waiting="
+                               f"{self.max_waiting}); retry shortly", retry_after=1.0)
+        if not self.running:
+            raise InternalError("the engine loop is not running (start() it)")
+
+    def _register(self, handle: RequestHandle) -> RequestHandle:
+        handle.pieces_sent = []
+        self._handles[handle.request.seq.seq_id] = handle
+        self._wake.set()
+        return handle
+
+    def _call(self, fn) -> None:
+        """Run ``fn`` on the loop thread (between steps)."""
+        self._calls.put(fn)
+        self._wake.set()
+
+    # --- the loop thread -------------------------------------------------------------------------------------
+    def _cancel(self, handle: RequestHandle) -> None:
+        req = handle.request
+        if not req.finished:
+            self.engine.cancel(req)
+        self._deliver(handle)
+
+    def _deliver(self, handle: RequestHandle) -> None:
+        """Push new text, and the end when the request finished."""
+        req = handle.request
+        text = req.take_text()
+        if text:
+            handle.pieces_sent.append(text)
+            handle._push(text)
+        if req.finished and not handle._ended:
+            handle._ended = True
+            self._handles.pop(req.seq.seq_id, None)
+            out = self.engine.output(req)
+            if handle._on_end is not None:
+                try:
+                    handle._on_end(out)
+                except BaseException as e:  # noqa: BLE001 - the consumer must still hear about the end
+                    req.error = req.error or e
+            handle._push(req.error if req.error is not None else out)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            while True:
+                try:
+                    fn = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                with eng._lock:
+                    fn()
+            if not eng.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            with eng._lock:
+                try:
+                    eng.step()
+                except Exception:  # noqa: BLE001 - the engine finished the step's requests with the error
+                    pass
+                for h in list(self._handles.values()):
+                    self._deliver(h)
+        with eng._lock:  # stopping: cancel what is left so that no blocks stay allocated
+            for h in list(self._handles.values()):
+                self._cancel(h)
