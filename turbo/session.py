@@ -1,0 +1,278 @@
+"""Stateful chat sessions: a conversation's messages, its token history and (while resident) its KV blocks.
+
+:class:`Session` runs turns on its :class:`~turbo.engine.Engine` (directly, or through
+:class:`turbo.loop.EngineLoop` with :meth:`Session.begin_turn` / :meth:`Session.end_turn`), saves itself atomically
+with or without its KV cache, and :func:`load_session` restores one (reusing the saved KV only under the same
+weights, compute dtype and KV storage).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from lite.formats import LiteturboError
+
+from .config import GenerationConfig
+from .engine import GenerationOutput, Request, _gen_config
+from .errors import Conflict, InvalidRequest
+from .scheduler import Sequence
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class Session:
+    """A stateful chat: messages, their token history and (while resident) KV blocks kept between turns.
+
+    Each turn renders the whole conversation with the chat template and computes only the tokens after the
+    longest prefix still in the cache, so the result equals running the full conversation statelessly. Under
+    memory pressure an idle session's blocks are evicted; its next turn recomputes them (nothing is lost).
+    """
+
+    def __init__(self, engine: Engine, system: str | None = None) -> None:
+        if system is not None and not isinstance(system, str):
+            raise LiteturboError(f"the system prompt must be a str or None, got {type(system).__name__}")
+        self.engine = engine
+        self.system = system
+        self.messages: list[dict] = [] if system is None else [{"role": "system", "content": system}]
+        self.seq = Sequence(seq_id=next(engine._ids))
+        self.closed = False
+        self.busy = False
+        self.last: GenerationOutput | None = None
+
+    def chat(self, message: str, stream: bool = False, gen: GenerationConfig | None = None, priority: int = 0,
+             **kwargs):
+        """Send a user message. Returns the reply text, or with ``stream=True`` an iterator of text pieces.
+
+        ``self.last`` holds the :class:`GenerationOutput` of the latest turn (tokens, timings, cache hits).
+        Raises ``LiteturboError`` for a closed or busy session, an empty message, or a conversation longer
+        than the context.
+        """
+        if self.closed:
+            raise LiteturboError("this session is closed; open a new one with engine.session()")
+        self._check_idle()
+        if not isinstance(message, str):
+            raise LiteturboError(f"the message must be a str, got {type(message).__name__}")
+        if not message.strip():
+            raise LiteturboError("the message is empty: type some text")
+        gen = _gen_config(gen, kwargs)
+        it = self._turn(message, gen, priority)
+        if stream:
+            return it
+        return "".join(it)
+
+    def _check_idle(self) -> None:
+        if self.busy:
+            raise Conflict("a reply is still streaming on this session; read it to the end or close() the "
+                           "stream first (or open another session)")
+
+    def _turn(self, message: str, gen: GenerationConfig, priority: int) -> Iterator[str]:
+        req, messages = self.begin_turn(message, gen, priority)  # runs at the first next(): a stream never
+        pieces: list[str] = []                                    # started holds nothing
+        out = None
+        try:
+            for item in self.engine._drive(req):
+                if isinstance(item, GenerationOutput):
+                    out = item
+                else:
+                    pieces.append(item)
+                    yield item
+        finally:
+            self.end_turn(req, messages, out, pieces)
+
+    def begin_turn(self, message: str, gen: GenerationConfig, priority: int = 0) -> tuple[Request, list[dict]]:
+        """Mark the session busy and queue its next turn: the request and the conversation it answers. Whoever drives
+        the request (this session's stream, or :class:`turbo.loop.EngineLoop`) must call :meth:`end_turn` after.
+        Raises ``Conflict`` for a busy session, ``InvalidRequest`` for a closed one or a bad prompt."""
+        with self.engine._lock:
+            if self.closed:
+                raise InvalidRequest("this session is closed; open a new one with engine.session()")
+            self._check_idle()
+            self.busy = True
+        try:
+            messages = self.messages + [{"role": "user", "content": message}]
+            ids = self.engine.chat_template_ids(messages)
+            req = self.engine.add_request(ids, gen, priority=priority, seq=self.seq)
+        except BaseException:
+            self.busy = False
+            raise
+        req.keep_cache = True
+        return req, messages
+
+    def end_turn(self, req: Request, messages: list[dict], out: GenerationOutput | None, pieces: list[str]) -> None:
+        """Record a finished (or abandoned) turn: ``out`` is the request's output, or ``None`` when the consumer
+        stopped early (the request is cancelled here); ``pieces`` the text streamed so far."""
+        # a consumer that stops early (client gone) still leaves a consistent history: the partial reply is the
+        # assistant's turn, and ``last`` is its output with finish_reason "cancelled"
+        if out is None:
+            self.engine.cancel(req)
+            out = self.engine.output(req)
+        reply = out.text if out.token_ids else "".join(pieces)
+        if out.token_ids or pieces:
+            self.messages = messages + [{"role": "assistant", "content": reply}]
+        if out.finish_reason == "error":
+            # the failed turn's tokens and K/V must not poison the next turns: drop the token history and its
+            # blocks; the next turn renders ``messages`` again and recomputes (full blocks of earlier turns still
+            # come from the prefix cache)
+            with self.engine._lock:
+                self.engine.scheduler.finish(self.seq)
+            self.seq = Sequence(seq_id=next(self.engine._ids))
+        self.last = out
+        self.busy = False
+
+    def save(self, path: str | Path, include_kv: bool = False) -> Path:
+        """Write the session (messages, token history, optionally its KV) to folder ``path``, atomically.
+
+        ``include_kv`` stores the cached K/V of the computed tokens in the cache's own form (``kv.safetensors``,
+        per layer ``[tokens, kv_heads, ...]``: 16-bit values, or int8/int4 codes with their scales) so a restore
+        needs no recompute; it is only reused by the same model weights, compute dtype and KV storage
+        (an engine with another KV dtype recomputes the history, with a warning). Raises ``LiteturboError`` while a reply streams.
+        """
+        import json
+        import os
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        self._check_idle()
+        path = Path(path).expanduser().absolute()
+        if path.exists() and not (path / "session.json").is_file():
+            raise LiteturboError(f"{path} exists and is not a saved session; choose another folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        try:
+            n = self.seq.num_computed if include_kv else 0
+            meta = {"format": "liteturbo-session/1", "system": self.system, "messages": self.messages,
+                    "token_ids": self.seq.token_ids, "kv_tokens": n, "model_fingerprint": self.engine.fingerprint(),
+                    "kv_storage": self.engine.runner.kv_cache.storage_key()}
+            if n:
+                slots = torch.tensor(self.engine.block_manager.slots(self.seq.block_table, 0, n), dtype=torch.long)
+                # the stored form ([tokens, KVH, ...] per layer: 16-bit values, or int8/int4 codes and scales)
+                save_file(self.engine.runner.kv_cache.export(slots), str(tmp / "kv.safetensors"))
+                meta["kv_sha256"] = _sha256(tmp / "kv.safetensors")
+            (tmp / "session.json").write_text(json.dumps(meta, ensure_ascii=False, indent=1))
+            os.chmod(tmp, 0o755)
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
+
+    def reset(self) -> None:
+        """Forget the conversation (keeps the system prompt) and free its KV blocks."""
+        self._check_idle()
+        with self.engine._lock:
+            self.engine.scheduler.finish(self.seq)
+        self.seq = Sequence(seq_id=next(self.engine._ids))
+        self.messages = self.messages[:1] if self.system is not None else []
+
+    def close(self) -> None:
+        """Free the session's KV blocks; further ``chat`` calls raise. Raises ``LiteturboError`` while a reply
+        streams (finish reading it, or close the stream, first)."""
+        self._check_idle()
+        with self.engine._lock:
+            if not self.closed:
+                self.engine.scheduler.finish(self.seq)
+            self.closed = True
+
+
+def load_session(engine: "Engine", path: str | Path) -> "Session":
+    """Restore into ``engine`` a session written by :meth:`Session.save`. Its KV is reloaded when it was saved by the same
+    weights and dtype (else recomputed on the next turn). Raises ``LiteturboError`` for a bad folder."""
+    import json
+
+    path = Path(path).expanduser()
+    bad = f"{path} is not a saved liteturbo session"
+    try:
+        meta = json.loads((path / "session.json").read_text())
+    except (OSError, ValueError):
+        raise LiteturboError(f"{bad} (session.json missing or not JSON)") from None
+    if not isinstance(meta, dict) or meta.get("format") != "liteturbo-session/1":
+        raise LiteturboError(f"{bad} (session.json lacks format 'liteturbo-session/1')")
+    system, messages, token_ids = meta.get("system"), meta.get("messages"), meta.get("token_ids")
+    if system is not None and not isinstance(system, str):
+        raise LiteturboError(f"{bad}: 'system' must be a string or null")
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise LiteturboError(f"{bad}: 'messages' must be a list of {{'role': str, 'content': str}}")
+    if not isinstance(token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.model.cfg.vocab_size
+            for t in token_ids):
+        raise LiteturboError(f"{bad}: 'token_ids' must be a list of token ids of this model's vocabulary")
+    s = Session(engine, system)
+    s.messages = list(messages)
+    s.seq.token_ids = list(token_ids)
+    if s.seq.token_ids:
+        engine._check_prompt(s.seq.token_ids, session=True)
+    n = meta.get("kv_tokens", 0)
+    if n == 0:
+        return s  # saved without KV: the next turn computes the history
+    import warnings
+
+    def drop(why: str) -> "Session":
+        """Warn that the saved KV is not used (``why``) and return the session, which will recompute."""
+        warnings.warn(f"{path}: the saved KV cache is not used ({why}); the {len(token_ids)} tokens of history are "
+                      f"recomputed on the next turn", stacklevel=3)
+        return s
+
+    if not (isinstance(n, int) and not isinstance(n, bool) and 0 < n <= len(token_ids)):
+        return drop(f"kv_tokens {n!r} is not a token count within the history")
+    kv_file = path / "kv.safetensors"
+    if not kv_file.is_file():
+        return drop("kv.safetensors is missing")
+    if meta.get("model_fingerprint") != engine.fingerprint():
+        return drop("it was saved by other weights or another compute dtype")
+    cache = engine.runner.kv_cache
+    # sessions saved before the KV cache had a dtype of its own stored it in the compute dtype
+    saved_as = meta.get("kv_storage", str(engine.dtype).removeprefix("torch."))
+    if saved_as != cache.storage_key():
+        return drop(f"it was saved as {saved_as!r} but this engine's cache is {cache.storage_key()!r}")
+    digest = meta.get("kv_sha256")
+    if digest is not None and digest != _sha256(kv_file):
+        return drop("kv.safetensors does not match the checksum in session.json: it was changed or damaged")
+    kv = _load_session_kv(kv_file)
+    if kv is None:
+        return drop("kv.safetensors cannot be read")
+    with engine._lock:
+        try:
+            engine.block_manager.ensure_capacity(s.seq.block_table, n)
+        except Exception:
+            engine.block_manager.free(s.seq.block_table)
+            return drop("the KV pool has no room for it now")
+        slots = torch.tensor(engine.block_manager.slots(s.seq.block_table, 0, n), dtype=torch.long,
+                             device=engine.backend.device)
+        try:
+            cache.load(kv, slots)  # validates every tensor before writing any
+        except ValueError as e:
+            engine.block_manager.free(s.seq.block_table)
+            return drop(str(e))
+        s.seq.num_computed = n
+        engine.block_manager.register_full_blocks(s.seq.token_ids, s.seq.block_table, n)
+        engine.scheduler.finish(s.seq, keep_cache=True)
+    return s
+
+
+def _sha256(file: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _load_session_kv(file: Path) -> dict | None:
+    """The saved KV tensors, or ``None`` when the file is unreadable (shapes are checked by the cache)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except Exception:
+        return None
