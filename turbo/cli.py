@@ -1,5 +1,6 @@
-"""The ``liteturbo`` command line: ``liteturbo lite rtn|auto-awq|gptq|calibrate-kv|eval-ppl``, ``liteturbo chat``
-and ``liteturbo env`` (hardware, versions, backends and their op coverage)."""
+"""The ``liteturbo`` command line: ``liteturbo lite rtn|auto-awq|gptq|calibrate-kv|eval-ppl``, ``liteturbo chat``,
+``liteturbo serve`` (the HTTP API, :mod:`turbo.server`) and ``liteturbo env`` (hardware, versions, backends and
+their op coverage)."""
 from __future__ import annotations
 
 import sys
@@ -13,7 +14,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def _kv_options(fn):
-    """KV cache options shared by chat and eval-ppl (and later serve)."""
+    """KV cache options shared by chat, eval-ppl and serve."""
     opts = [
         click.option("--kv-cache-dtype", default="auto", show_default=True,
                      help="KV cache storage: auto (the compute dtype), bfloat16, float16, float32, int8, int4."),
@@ -28,7 +29,7 @@ def _kv_options(fn):
 
 
 def _device_options(fn):
-    """--device and --backend, shared by chat and eval-ppl (and later serve)."""
+    """--device and --backend, shared by chat, eval-ppl and serve."""
     opts = [
         click.option("--device", default="auto", show_default=True,
                      help="auto (a GPU, then an NPU, then the CPU), cpu, cuda[:N] or npu[:N]."),
@@ -302,6 +303,44 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
                        f"{out.decode_tokens_per_s:.1f} tok/s]", err=interactive)
     if total_s > 0:
         click.echo(f"[liteturbo] decode speed over the chat: {total_tokens / total_s:.1f} tokens/s", err=interactive)
+
+
+@main.command()
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface; then give --api-keys).")
+@click.option("--port", default=23333, show_default=True, type=int)
+@click.option("--model-name", default=None, help="The model id clients pass as `model` (default: MODEL's folder name).")
+@click.option("--api-keys", default=None, envvar="LITETURBO_API_KEYS", show_envvar=True,
+              help="Comma-separated Bearer tokens; /v1 requests without one of them get 401.")
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--max-batch-size", default=64, show_default=True, type=int, help="Sequences run together at most.")
+@click.option("--session-len", default=None, type=int, help="Longest sequence (prompt + reply) in tokens.")
+@click.option("--kv-cache-gib", default=None, type=float, help="KV pool size in GiB.")
+@click.option("--cache-max-entry-count", default=None, type=float,
+              help="KV pool as a fraction of the memory left after the weights (0-1].")
+@click.option("--max-request-bytes", default=1 << 20, show_default=True, type=int,
+              help="Larger request bodies get 413.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]))
+@_device_options
+@_kv_options
+@friendly_errors
+def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, session_len, kv_cache_gib,
+          cache_max_entry_count, max_request_bytes, log_level, device, backend, kv_cache_dtype, quant_policy,
+          no_kv_calibration) -> None:
+    """Serve MODEL over HTTP: OpenAI-compatible /v1/chat/completions and /v1/completions (streaming or not) and
+    stateful /v1/sessions (docs/serving.md)."""
+    try:
+        from turbo.server import serve as run
+    except ImportError as e:
+        raise LiteturboError(f"the server needs the serve extra ({e}); install it with "
+                             f"pip install 'liteturbo[serve]'") from None
+    run(model, host=host, port=port, model_name=model_name, api_keys=api_keys or "",
+        max_request_bytes=max_request_bytes, log_level=log_level, dtype=dtype, device=device, backend=backend,
+        max_batch_size=max_batch_size, session_len=session_len, kv_cache_gib=kv_cache_gib,
+        cache_max_entry_count=cache_max_entry_count, kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
+        kv_calibration=not no_kv_calibration)
 
 
 def env_report(device: str = "auto") -> dict:
