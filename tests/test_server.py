@@ -353,3 +353,80 @@ def test_cli_serve_options_and_bad_port():
         assert opt in r.output, opt
     r = CliRunner().invoke(main, ["serve", "--port", "70000"])
     assert r.exit_code == 2 and "port must be an integer in [0, 65535], got 70000" in r.output
+
+
+def _start(app):
+    """Serve ``app`` on a free loopback port in a thread; returns (url, stop)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+
+    def stop():
+        server.should_exit = True
+        thread.join(10)
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+def test_metrics_count_requests_tokens_and_latencies(url, http):
+    def scrape():
+        r = httpx.get(f"{url}/metrics", timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        vals = {}
+        for line in r.text.splitlines():
+            if line and not line.startswith("#"):
+                name, v = line.rsplit(" ", 1)
+                vals[name] = float(v)
+        return vals
+
+    before = scrape()
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "The sky is", "max_tokens": 5,
+                                           "temperature": 0})
+    assert r.status_code == 200
+    after = scrape()
+    assert after["liteturbo_generated_tokens_total"] - before.get("liteturbo_generated_tokens_total", 0) == 5
+    assert after["liteturbo_time_to_first_token_seconds_count"] - before.get(
+        "liteturbo_time_to_first_token_seconds_count", 0) == 1
+    assert after['liteturbo_requests_finished_total{reason="length"}'] >= 1
+    assert after["liteturbo_kv_blocks_total"] > 0 and after["liteturbo_requests_running"] == 0
+    assert 0 <= after["liteturbo_prefix_cache_hit_rate"] <= 1 and "liteturbo_sessions" in after
+
+
+def test_sessions_survive_a_server_restart_with_the_same_tokens(smollm2_rtn_g64, tmp_path):
+    """Three turns, the server restarted with the same session dir, a fourth turn: the same tokens as four turns
+    without a restart."""
+    from turbo.session import SessionRegistry
+
+    turns = ["Hi! My name is Ada.", "What is 2+2?", "Name a color.", "What is my name?"]
+    body = {"max_tokens": 12, "temperature": 0}
+
+    def engine():
+        return Engine(smollm2_rtn_g64, EngineConfig(max_kv_tokens=2048, max_batch_size=8))
+
+    ref = engine().session()
+    want = [ref.chat(t, max_new_tokens=12) for t in turns]
+
+    def app_with(eng):
+        return create_app(eng, model_name=MODEL, api_keys="",
+                          sessions=SessionRegistry(eng, session_dir=tmp_path / "sessions"))
+
+    url1, stop1 = _start(app_with(engine()))
+    sid = httpx.post(f"{url1}/v1/sessions", json={}, timeout=60).json()["id"]
+    got = [httpx.post(f"{url1}/v1/sessions/{sid}/chat", json={"content": t, **body}, timeout=120).json()
+           for t in turns[:3]]
+    stop1()
+    url2, stop2 = _start(app_with(engine()))
+    try:
+        r = httpx.post(f"{url2}/v1/sessions/{sid}/chat", json={"content": turns[3], **body}, timeout=120).json()
+        hist = httpx.get(f"{url2}/v1/sessions/{sid}", timeout=60).json()
+    finally:
+        stop2()
+    assert [g["content"] for g in got + [r]] == want, (got, r)
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the saved KV came back with the session
+    assert [m["content"] for m in hist["messages"] if m["role"] == "assistant"] == want

@@ -323,12 +323,18 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
               help="Larger request bodies get 413.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]))
+@click.option("--session-dir", default=None, type=click.Path(file_okay=False),
+              help="Save every session there after each turn (with its KV) and restore them at start.")
+@click.option("--max-sessions", default=256, show_default=True, type=int,
+              help="Sessions keeping their KV cache resident; past it the least recently used give it up.")
+@click.option("--session-idle-timeout", default=3600.0, show_default=True, type=float,
+              help="Seconds a session may stay unused before it is forgotten.")
 @_device_options
 @_kv_options
 @friendly_errors
 def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, session_len, kv_cache_gib,
-          cache_max_entry_count, max_request_bytes, log_level, device, backend, kv_cache_dtype, quant_policy,
-          no_kv_calibration) -> None:
+          cache_max_entry_count, max_request_bytes, log_level, session_dir, max_sessions, session_idle_timeout,
+          device, backend, kv_cache_dtype, quant_policy, no_kv_calibration) -> None:
     """Serve MODEL over HTTP: OpenAI-compatible /v1/chat/completions and /v1/completions (streaming or not) and
     stateful /v1/sessions (docs/serving.md)."""
     try:
@@ -336,8 +342,12 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, sessio
     except ImportError as e:
         raise LiteturboError(f"the server needs the serve extra ({e}); install it with "
                              f"pip install 'liteturbo[serve]'") from None
+    if max_sessions < 1 or not session_idle_timeout > 0:
+        raise LiteturboError(f"--max-sessions must be >= 1 and --session-idle-timeout > 0, got {max_sessions} and "
+                             f"{session_idle_timeout}")
     run(model, host=host, port=port, model_name=model_name, api_keys=api_keys or "",
-        max_request_bytes=max_request_bytes, log_level=log_level, dtype=dtype, device=device, backend=backend,
+        max_request_bytes=max_request_bytes, log_level=log_level, session_dir=session_dir, max_sessions=max_sessions,
+        session_idle_timeout=session_idle_timeout, dtype=dtype, device=device, backend=backend,
         max_batch_size=max_batch_size, session_len=session_len, kv_cache_gib=kv_cache_gib,
         cache_max_entry_count=cache_max_entry_count, kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
         kv_calibration=not no_kv_calibration)

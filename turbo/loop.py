@@ -115,10 +115,12 @@ class RequestHandle:
 
 class EngineLoop:
     """Drives one :class:`Engine` from a background thread. ``max_waiting``: requests queued beyond the running
-    batch before :meth:`submit` refuses with :class:`OverCapacity` (503)."""
+    batch before :meth:`submit` refuses with :class:`OverCapacity` (503). ``observers``: callables given each
+    finished request's :class:`GenerationOutput` on the loop thread (metrics)."""
 
-    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
+    def __init__(self, engine: Engine, max_waiting: int = 256, observers: list | None = None) -> None:
         self.engine = engine
+        self.observers = list(observers or [])  # called with each finished request's GenerationOutput
         self.max_waiting = max_waiting
         self._handles: dict[int, RequestHandle] = {}
         self._calls: queue.Queue = queue.Queue()
@@ -158,16 +160,22 @@ class EngineLoop:
             return self._register(RequestHandle(self, req))
 
     def submit_chat(self, session: Session, message: str, gen: GenerationConfig | None = None,
-                    priority: int = 0) -> RequestHandle:
+                    priority: int = 0, on_end=None) -> RequestHandle:
         """Queue the next turn of ``session``; its history is updated when the turn ends (also when cancelled or
-        failed, as :meth:`Session.end_turn` does). Raises ``Conflict`` while the session generates."""
+        failed, as :meth:`Session.end_turn` does), then ``on_end()`` runs on the loop thread (e.g. saving the
+        session). Raises ``Conflict`` while the session generates."""
         if not isinstance(message, str) or not message.strip():
             raise InvalidRequest("the message must be a non-empty str")
         self._check_capacity()
         with _typed():
             req, messages = session.begin_turn(message, gen or GenerationConfig(), priority)
         handle = RequestHandle(self, req)
-        handle._on_end = lambda out: session.end_turn(req, messages, out, handle.pieces_sent)
+        def end(out):
+            session.end_turn(req, messages, out, handle.pieces_sent)
+            if on_end is not None:
+                on_end()
+
+        handle._on_end = end
         with self.engine._lock:
             return self._register(handle)
 
@@ -207,6 +215,11 @@ class EngineLoop:
             handle._ended = True
             self._handles.pop(req.seq.seq_id, None)
             out = self.engine.output(req)
+            for obs in self.observers:
+                try:
+                    obs(out)
+                except Exception:  # noqa: BLE001 - metrics must not break serving
+                    pass
             if handle._on_end is not None:
                 try:
                     handle._on_end(out)

@@ -3,14 +3,16 @@
 ``create_app(engine)`` builds a FastAPI app; ``serve(model, host, port, ...)`` loads the engine and runs it under
 uvicorn (``liteturbo serve``). Endpoints (see docs/serving.md for every field):
 
-- ``GET /health``; ``GET /v1/models`` (one model) and ``GET /v1/models/{id}``;
+- ``GET /``: a web chat page (``turbo/static/chat.html``) over the sessions API;
+- ``GET /health``; ``GET /metrics`` (Prometheus: :mod:`turbo.metrics`); ``GET /v1/models`` (one model) and
+  ``GET /v1/models/{id}``;
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: streamed as server-sent events in OpenAI's chunk
   shapes (ending with ``data: [DONE]``) or not; a field the server cannot honour (tools, ``n`` > 1, ``logit_bias``,
   ``echo``, ...) or does not know is refused with a 400 naming it, never ignored;
 - ``POST /v1/sessions``, ``POST /v1/sessions/{id}/chat``, ``GET`` / ``DELETE /v1/sessions/{id}``: chats whose KV
   cache stays in the engine between turns, so a turn prefills only its new tokens (also reachable as the
   ``session_id`` extension field of ``/v1/chat/completions``); kept by a :class:`~turbo.session.SessionRegistry`
-  (ids, idle expiry, caps), in memory.
+  (ids, idle expiry, caps), in memory, and with a session dir saved after every turn and restored at start.
 
 All generation goes through one :class:`~turbo.loop.EngineLoop`: the model's forward runs on its background thread,
 never on the asyncio event loop; request checks and tokenization run in the thread pool. A client that disconnects
@@ -532,6 +534,14 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
     if not isinstance(sessions, SessionRegistry) or sessions.engine is not engine:
         raise LiteturboError("sessions must be a SessionRegistry of this engine")
     session_meta: dict[str, tuple[dict, int]] = {}  # id -> (sampling defaults, creation time)
+    if sessions.session_dir is not None:
+        restored = sessions.restore()  # sessions saved by an earlier run (with --session-dir)
+        if restored:
+            print(f"[liteturbo] restored {restored} session(s) from {sessions.session_dir}", file=sys.stderr)
+
+    def persist(sid: str):
+        """What runs when a turn of ``sid`` ends: save it under the session dir (nothing without one)."""
+        return (lambda: sessions.persist(sid)) if sessions.session_dir is not None else None
     tokens = _Tokens(engine.tokenizer)
 
     @asynccontextmanager
@@ -725,6 +735,18 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
         return _SessionEntry(session, defaults, created)
 
     # --- endpoints --------------------------------------------------------------------------------------------
+    from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
+
+    metrics = ServerMetrics(engine, sessions=lambda: len(sessions))
+    loop.observers.append(metrics.observe)
+    app.state.metrics = metrics
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from fastapi.responses import Response
+
+        return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/health")
     async def health():
         if not loop.running:
@@ -765,7 +787,8 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
                 raise APIError(400, "with 'session_id' the last message must be the user's new message (the "
                                     "session keeps the earlier ones)", param="messages")
             gen = _gen_config(engine, entry.defaults, g, {"logprobs": _MAX_LOGPROBS} if lp else {})
-            handle = await run_in_threadpool(loop.submit_chat, entry.session, messages[-1]["content"], gen)
+            handle = await run_in_threadpool(loop.submit_chat, entry.session, messages[-1]["content"], gen, 0,
+                                             persist(sid))
         else:
             gen = _gen_config(engine, g, {"logprobs": _MAX_LOGPROBS} if lp else {})
 
@@ -819,7 +842,7 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
         g = _sampling(b)
         b.done()
         gen = _gen_config(engine, entry.defaults, g)
-        handle = await run_in_threadpool(loop.submit_chat, entry.session, content, gen)
+        handle = await run_in_threadpool(loop.submit_chat, entry.session, content, gen, 0, persist(sid))
         job = _Job("session", stream, session_id=sid, id=f"turn-{uuid.uuid4().hex[:24]}")
         return await respond(request, job, handle)
 
@@ -843,16 +866,29 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
         return {"id": sid, "object": "session.deleted", "deleted": True}
 
     app.include_router(v1)
+
+    # the web chat page (docs/serving.md, "Web chat page"): static HTML + JS over the sessions API, outside /v1 (no key)
+    from importlib import resources
+    from fastapi.responses import HTMLResponse
+
+    chat_page = (resources.files(__package__) / "static" / "chat.html").read_text(encoding="utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def web_chat():
+        return HTMLResponse(chat_page)
+
     return app
 
 
 def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: str | None = None,
           api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20, log_level: str = "info",
+          session_dir: str | None = None, max_sessions: int = 256, session_idle_timeout: float = 3600.0,
           **engine_options) -> None:
     """Load ``model`` (name or checkpoint folder) into an :class:`Engine` with ``engine_options``
     (:class:`~turbo.config.EngineConfig` fields) and serve it with uvicorn on ``host:port`` until interrupted.
-    ``api_keys``: see :func:`create_app` (``None`` reads ``LITETURBO_API_KEYS``). Raises ``LiteturboError`` for a
-    bad model or option."""
+    ``api_keys``: see :func:`create_app` (``None`` reads ``LITETURBO_API_KEYS``). ``session_dir``,
+    ``max_sessions``, ``session_idle_timeout``: the :class:`~turbo.session.SessionRegistry` (sessions saved after
+    every turn and restored at start with a session dir). Raises ``LiteturboError`` for a bad model or option."""
     import uvicorn
 
     if not _is_int(port) or not 0 <= port <= 65535:
@@ -861,7 +897,10 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
         raise LiteturboError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     keys = _parse_keys(api_keys)
     engine = Engine(model, **engine_options)
-    app = create_app(engine, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes)
+    sessions = SessionRegistry(engine, max_sessions=max_sessions, idle_timeout=session_idle_timeout,
+                               session_dir=session_dir)
+    app = create_app(engine, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
+                     sessions=sessions)
     if not keys and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[liteturbo] warning: serving on {host} without --api-keys: anyone who can reach this port can use "
               f"the model", file=sys.stderr)

@@ -1,0 +1,65 @@
+"""Prometheus metrics of a served engine (``GET /metrics``), with prometheus-client.
+
+Gauges are read from the engine at scrape time (running and waiting requests, KV blocks in use and in total,
+prefix-cache hit rate, sessions); counters and histograms are fed by the engine loop when a request ends
+(generated and prompt tokens, finished requests by reason, time to first token, inter-token latency). Each
+:class:`ServerMetrics` has its own registry, so several apps in one process do not collide.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """Metrics of one engine. ``sessions``: a callable returning the number of live sessions."""
+
+    def __init__(self, engine, sessions: Callable[[], int] = lambda: 0) -> None:
+        self.engine, self._sessions = engine, sessions
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("liteturbo_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("liteturbo_requests_waiting", "Requests queued for the running batch", registry=r)
+        self.blocks_used = Gauge("liteturbo_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.blocks_total = Gauge("liteturbo_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.hit_rate = Gauge("liteturbo_prefix_cache_hit_rate",
+                              "Prompt tokens served from the prefix cache / prompt tokens, since start", registry=r)
+        self.sessions_gauge = Gauge("liteturbo_sessions", "Live chat sessions", registry=r)
+        self.generated = Counter("liteturbo_generated_tokens", "Tokens generated", registry=r)
+        self.prompt = Counter("liteturbo_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.finished = Counter("liteturbo_requests_finished", "Finished requests by finish reason", ["reason"],
+                                registry=r)
+        self.ttft = Histogram("liteturbo_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("liteturbo_inter_token_latency_seconds", "Mean time between output tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+
+    def observe(self, out) -> None:
+        """Record a finished request's :class:`~turbo.engine.GenerationOutput` (called by the engine loop)."""
+        n = len(out.token_ids)
+        self.generated.inc(n)
+        self.prompt.inc(out.prompt_tokens)
+        self.finished.labels(out.finish_reason).inc()
+        self._prompt_tokens += out.prompt_tokens
+        self._cached_tokens += out.cached_tokens
+        if n:
+            self.ttft.observe(out.ttft)
+        if n > 1:
+            self.itl.observe(out.decode_seconds / (n - 1))
+
+    def render(self) -> bytes:
+        """The text exposition format, with the gauges read now."""
+        st = self.engine.stats()
+        self.running.set(st["running"])
+        self.waiting.set(st["waiting"])
+        self.blocks_total.set(st["blocks_total"])
+        self.blocks_used.set(st["blocks_total"] - st["blocks_free"])
+        self.hit_rate.set(self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0)
+        self.sessions_gauge.set(self._sessions())
+        return generate_latest(self.registry)
