@@ -430,3 +430,17 @@ def test_sessions_survive_a_server_restart_with_the_same_tokens(smollm2_rtn_g64,
     assert [g["content"] for g in got + [r]] == want, (got, r)
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the saved KV came back with the session
     assert [m["content"] for m in hist["messages"] if m["role"] == "assistant"] == want
+
+
+def test_chat_url_talks_to_the_server_through_sessions(url, app):
+    msgs = ["What is the capital of France?", "And of Italy?"]
+    r = CliRunner().invoke(main, ["chat", "--url", url, "--api-key", KEY, "--max-new-tokens", "10"],
+                           input="\n".join(msgs + ["/reset", msgs[0], "/exit"]) + "\n")
+    assert r.exit_code == 0, r.output
+    s = app.state.engine.session()
+    want = [app.state.loop.submit_chat(s, m, GenerationConfig(max_new_tokens=10)).result().text for m in msgs]
+    s.close()
+    assert f"assistant: {want[0]}\n" in r.output and f"assistant: {want[1]}\n" in r.output
+    assert r.output.count(f"assistant: {want[0]}\n") == 2  # after /reset the first answer comes again
+    bad = CliRunner().invoke(main, ["chat", "--url", url, "--api-key", "sk-wrong"], input="hi\n")
+    assert bad.exit_code == 2 and "401" in bad.output

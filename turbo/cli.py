@@ -243,26 +243,39 @@ def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bit
 @click.option("--kv-cache-gib", default=None, type=float, help="KV pool size in GiB.")
 @click.option("--cache-max-entry-count", default=None, type=float,
               help="KV pool as a fraction of the memory left after the weights (0-1].")
+@click.option("--url", default=None,
+              help="Chat with a running `liteturbo serve` at this address (e.g. http://127.0.0.1:23333).")
+@click.option("--api-key", default=None, envvar="LITETURBO_API_KEY", help="Bearer token for --url.")
 @_device_options
 @_kv_options
 @friendly_errors
 def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, session_len, kv_cache_gib,
-         cache_max_entry_count, device, backend, kv_cache_dtype, quant_policy, no_kv_calibration) -> None:
-    """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too."""
+         cache_max_entry_count, url, api_key, device, backend, kv_cache_dtype, quant_policy,
+         no_kv_calibration) -> None:
+    """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too. With --url, chat
+    with a running `liteturbo serve` through its sessions API instead (MODEL and the engine options are unused)."""
     from turbo import Engine, EngineConfig, GenerationConfig
 
-    engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, session_len=session_len,
-                                        kv_cache_gib=kv_cache_gib, cache_max_entry_count=cache_max_entry_count,
-                                        kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
-                                        kv_calibration=not no_kv_calibration))
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed)
-    session = engine.session(system)
+    if url:
+        from turbo.client import RemoteSession
+
+        session = RemoteSession(url, system, api_key=api_key)
+        click.echo(f"[liteturbo] session {session.id} on {session.url}; /reset clears the history, /exit quits",
+                   err=True)
+    else:
+        engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, session_len=session_len,
+                                            kv_cache_gib=kv_cache_gib, cache_max_entry_count=cache_max_entry_count,
+                                            kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
+                                            kv_calibration=not no_kv_calibration))
+        session = engine.session(system)
     interactive = sys.stdin.isatty()
-    click.echo(f"[liteturbo] {engine.path} ({engine.model.quant_method or '16/32-bit'} weights, compute "
-               f"{str(engine.dtype).removeprefix('torch.')}, {engine.backend.name} backend on "
-               f"{engine.platform.device}); "
-               f"{kv_summary(engine)}; /reset clears the history, /exit quits", err=True)
+    if not url:
+        click.echo(f"[liteturbo] {engine.path} ({engine.model.quant_method or '16/32-bit'} weights, compute "
+                   f"{str(engine.dtype).removeprefix('torch.')}, {engine.backend.name} backend on "
+                   f"{engine.platform.device}); "
+                   f"{kv_summary(engine)}; /reset clears the history, /exit quits", err=True)
     total_tokens, total_s = 0, 0.0
     while True:
         if interactive:
