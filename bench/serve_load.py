@@ -135,15 +135,16 @@ async def _inprocess_run(loop, args) -> tuple[list[dict], int]:
         records.append({"ttft": times[0] - t0, "itl": (times[-1] - times[0]) / (n - 1) if n > 1 else None,
                         "tokens": n})
 
+    # submitting waits for the engine lock (a step may be running): off the event loop, as the server does it
     async def one_shot(prompt):
-        ids = engine.chat_template_ids([{"role": "user", "content": prompt}])
-        await consume(loop.submit(ids, gen))
+        ids = await asyncio.to_thread(engine.chat_template_ids, [{"role": "user", "content": prompt}])
+        await consume(await asyncio.to_thread(loop.submit, ids, gen))
 
     async def session(prompt):
-        s = engine.session()
+        s = await asyncio.to_thread(engine.session)
         for t in range(args.turns):
-            await consume(loop.submit_chat(s, f"{prompt} (turn {t})", gen))
-        s.close()
+            await consume(await asyncio.to_thread(loop.submit_chat, s, f"{prompt} (turn {t})", gen))
+        await asyncio.to_thread(s.close)
 
     prompts = _prompts(args.clients)
     await asyncio.gather(*[session(p) if i < args.sessions else one_shot(p) for i, p in enumerate(prompts)])
