@@ -128,3 +128,22 @@ def test_a_failing_step_ends_its_requests_with_the_error(engine, loop, monkeypat
     monkeypatch.undo()
     assert _wait_idle(engine) and engine.block_manager.num_free == engine.block_manager.num_blocks
     assert "".join(loop.submit("The sky is", G))  # the loop survived
+
+
+def test_engine_astream_runs_on_the_engine_loop_not_the_event_loop(engine, monkeypatch):
+    threads = set()
+    real = engine.step
+
+    def spy():
+        threads.add(threading.current_thread().name)
+        return real()
+
+    monkeypatch.setattr(engine, "step", spy)
+
+    async def main():
+        return [x async for x in engine.astream("The sky is", G)]
+
+    items = asyncio.run(main())
+    assert items[-1].text == "".join(items[:-1]) and items[-1].finish_reason == "length"
+    assert threads == {"liteturbo-engine-loop"}
+    engine.loop.stop()

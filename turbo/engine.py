@@ -216,6 +216,7 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self.requests: dict[int, Request] = {}
+        self._loop = None  # the EngineLoop of astream / servers, made on first use
         # one step at a time: threads may share an engine (each drives steps for everyone until its own
         # request is done); the lock guards the scheduler, the block manager and the caches
         self._lock = threading.RLock()
@@ -565,19 +566,30 @@ class Engine:
     async def astream(self, prompt: str | list[int], gen: GenerationConfig | None = None, **kwargs):
         """Async version of :meth:`stream`: text pieces, then the :class:`GenerationOutput`.
 
-        Several ``astream`` calls on one event loop share the persistent batch: whichever runs drives a step
-        for all of them, and yields control to the others between steps.
-        """
+        The request runs on the engine's :class:`~turbo.loop.EngineLoop` (:attr:`loop`, started at the first
+        call): the model's forward never runs on the event loop, and several ``astream`` calls share the persistent
+        batch. Submitting (which may wait for a step) happens off the event loop too. Leaving the stream early
+        cancels the request."""
         import asyncio
 
-        inner = self._drive(self.add_request(prompt, _gen_config(gen, kwargs)), every_step=True)
-        try:
-            for item in inner:
-                if item != "":
-                    yield item
-                await asyncio.sleep(0)
-        finally:
-            inner.close()  # an abandoned stream cancels its request
+        gen = _gen_config(gen, kwargs)
+        handle = await asyncio.to_thread(self.loop.submit, prompt, gen)
+        async for piece in handle:
+            yield piece
+        yield handle.output
+
+    @property
+    def loop(self):
+        """The :class:`~turbo.loop.EngineLoop` that drives this engine from a background thread for
+        :meth:`astream` and servers (made and started on first use; ``engine.loop.stop()`` ends it)."""
+        from .loop import EngineLoop
+
+        with self._lock:
+            if self._loop is None:
+                self._loop = EngineLoop(self)
+            if not self._loop.running:
+                self._loop.start()
+            return self._loop
 
     def _drive(self, req: Request, every_step: bool = False) -> Iterator[str | GenerationOutput]:
         """Step until ``req`` finishes, yielding its new text (``""`` after text-less steps if ``every_step``),

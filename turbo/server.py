@@ -510,8 +510,9 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
                sessions: SessionRegistry | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
-    loop: the :class:`EngineLoop` that drives the engine (default: a new one, started now and stopped when the app
-    shuts down; one given is started if it is not running, and left running). model_name: the model id clients
+    loop: the :class:`EngineLoop` that drives the engine (default: the engine's own, :attr:`Engine.loop`, which
+    ``Engine.astream`` shares; it is stopped when the app shuts down and restarts on its next use; one given is
+    started if it is not running, and left running). model_name: the model id clients
     pass as ``model`` (default: the checkpoint folder's name). api_keys: Bearer tokens, one of which every ``/v1``
     request must carry (a list, or one comma-separated string); ``None`` reads the environment variable
     ``LITETURBO_API_KEYS``; empty = no authentication. max_request_bytes: larger bodies get 413. sessions: the
@@ -524,7 +525,7 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
         raise LiteturboError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     keys = [k.encode() for k in _parse_keys(api_keys)]
     owned = loop is None
-    loop = (loop or EngineLoop(engine)).start()
+    loop = (loop or engine.loop).start()  # the engine's own loop (astream shares it) unless one is given
     if loop.engine is not engine:
         raise LiteturboError("the EngineLoop drives another Engine; pass the loop of this engine")
     model_id = model_name or engine.path.name
