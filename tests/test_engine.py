@@ -112,7 +112,7 @@ def test_second_turn_while_streaming_is_refused(engine):
     s = engine.session()
     it = s.chat("Name three colors.", stream=True, max_new_tokens=15)
     first = next(it)
-    with pytest.raises(LiteturboError, match="still streaming"):
+    with pytest.raises(LiteturboError, match="still being generated"):
         s.chat("What is 2+2?", max_new_tokens=10)
     rest = "".join(it)
     assert s.messages[-1]["content"] == first + rest

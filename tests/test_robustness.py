@@ -155,7 +155,7 @@ def test_close_while_streaming_raises_and_early_close_keeps_history(engine):
     s = engine.session()
     it = s.chat("Say hello.", stream=True, max_new_tokens=8, ignore_eos=True)
     first = next(it)
-    with pytest.raises(LiteturboError, match="still streaming"):
+    with pytest.raises(LiteturboError, match="still being generated"):
         s.close()
     it.close()  # the client went away
     assert not s.busy

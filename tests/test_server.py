@@ -314,7 +314,8 @@ def test_busy_session_is_409_and_a_dropped_stream_frees_it(app, http):
         lines = s.iter_lines()  # kept: a dropped iterator closes the response
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["delta"] is not None
-        err = assert_error(http.post(f"/v1/sessions/{sid}/chat", json={"content": "Hi"}), 409, contains="streaming")
+        err = assert_error(http.post(f"/v1/sessions/{sid}/chat", json={"content": "Hi"}), 409,
+                           contains="still being generated")
         assert err["type"] == "conflict_error"
         assert_error(http.delete(f"/v1/sessions/{sid}"), 409)
     # the client closed the stream early: the turn is cancelled, its partial reply kept, the session usable again
@@ -434,9 +435,12 @@ def test_sessions_survive_a_server_restart_with_the_same_tokens(smollm2_rtn_g64,
 
 def test_chat_url_talks_to_the_server_through_sessions(url, app):
     msgs = ["What is the capital of France?", "And of Italy?"]
-    r = CliRunner().invoke(main, ["chat", "--url", url, "--api-key", KEY, "--max-new-tokens", "10"],
+    before = len(app.state.sessions)
+    r = CliRunner().invoke(main, ["chat", "--url", url.removeprefix("http://"), "--api-key", KEY,
+                                  "--max-new-tokens", "10"],
                            input="\n".join(msgs + ["/reset", msgs[0], "/exit"]) + "\n")
     assert r.exit_code == 0, r.output
+    assert len(app.state.sessions) == before  # the chat deleted its session when it ended
     s = app.state.engine.session()
     want = [app.state.loop.submit_chat(s, m, GenerationConfig(max_new_tokens=10)).result().text for m in msgs]
     s.close()
@@ -444,3 +448,11 @@ def test_chat_url_talks_to_the_server_through_sessions(url, app):
     assert r.output.count(f"assistant: {want[0]}\n") == 2  # after /reset the first answer comes again
     bad = CliRunner().invoke(main, ["chat", "--url", url, "--api-key", "sk-wrong"], input="hi\n")
     assert bad.exit_code == 2 and "401" in bad.output
+
+
+def test_deep_json_and_null_bodies_are_400(http):
+    deep = "[" * 20000 + "]" * 20000
+    r = http.post("/v1/completions", content=deep, headers={"Content-Type": "application/json"})
+    assert_error(r, 400, contains="nests JSON")
+    assert_error(http.post("/v1/completions", content="null", headers={"Content-Type": "application/json"}), 400,
+                 contains="got a JSON null")

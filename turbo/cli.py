@@ -316,6 +316,8 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
                        f"{out.decode_tokens_per_s:.1f} tok/s]", err=interactive)
     if total_s > 0:
         click.echo(f"[liteturbo] decode speed over the chat: {total_tokens / total_s:.1f} tokens/s", err=interactive)
+    if url:
+        session.close()  # the server forgets the conversation when the chat ends
 
 
 @main.command()

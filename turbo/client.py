@@ -45,6 +45,9 @@ class RemoteSession:
             import httpx
         except ImportError:
             raise LiteturboError("chat --url needs httpx: pip install 'liteturbo[serve]'") from None
+        url = url.strip()
+        if "://" not in url:
+            url = "http://" + url  # `host:port` as `liteturbo serve` prints it
         self.url = url.rstrip("/")
         if self.url.endswith("/v1"):
             self.url = self.url[:-3]

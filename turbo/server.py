@@ -128,8 +128,11 @@ async def _read_json(request: Request, limit: int, allow_empty: bool = False) ->
         data = json.loads(bytes(buf), parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays/objects too deeply; send a flat JSON object") from None
     if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}")
+        kinds = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+        raise APIError(400, f"the request body must be a JSON object, got a JSON {kinds.get(type(data), 'value')}")
     return data
 
 

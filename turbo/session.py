@@ -65,8 +65,8 @@ class Session:
 
     def _check_idle(self) -> None:
         if self.busy:
-            raise Conflict("a reply is still streaming on this session; read it to the end or close() the "
-                           "stream first (or open another session)")
+            raise Conflict("a reply is still being generated on this session; wait for it to finish, or stop it (close "
+                           "the stream / disconnect), or use another session")
 
     def _turn(self, message: str, gen: GenerationConfig, priority: int) -> Iterator[str]:
         req, messages = self.begin_turn(message, gen, priority)  # runs at the first next(): a stream never
@@ -112,10 +112,11 @@ class Session:
         reply = out.text if out.token_ids else "".join(pieces)
         if out.token_ids or pieces:
             self.messages = messages + [{"role": "assistant", "content": reply}]
-        if out.finish_reason == "error":
-            # the failed turn's tokens and K/V must not poison the next turns: drop the token history and its
-            # blocks; the next turn renders ``messages`` again and recomputes (full blocks of earlier turns still
-            # come from the prefix cache)
+        if out.finish_reason == "error" or not (out.token_ids or pieces):
+            # a failed turn's tokens and K/V must not poison the next turns, and a turn that produced nothing
+            # (cancelled while its prompt was computed) must not keep its prompt's blocks: drop the token history
+            # and its blocks; the next turn renders ``messages`` again and recomputes (full blocks of earlier turns
+            # still come from the prefix cache)
             with self.engine._lock:
                 self.engine.scheduler.finish(self.seq)
             self.seq = Sequence(seq_id=next(self.engine._ids))
