@@ -456,3 +456,9 @@ def test_deep_json_and_null_bodies_are_400(http):
     assert_error(r, 400, contains="nests JSON")
     assert_error(http.post("/v1/completions", content="null", headers={"Content-Type": "application/json"}), 400,
                  contains="got a JSON null")
+
+
+def test_unknown_v1_paths_need_a_key_first_and_head_of_the_page(url, http):
+    assert_error(httpx.get(f"{url}/v1/nope", timeout=30), 401)
+    assert_error(http.get("/v1/nope"), 404, contains="no endpoint GET /v1/nope")
+    assert httpx.head(f"{url}/", timeout=30).status_code == 200

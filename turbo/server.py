@@ -569,9 +569,14 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code in (404, 405) and request.url.path.startswith("/v1"):
+            try:  # without a valid key, /v1 answers 401 whatever the path (routes are not revealed)
+                await check_key(request)
+            except APIError as auth:
+                return auth.response()
         if e.status_code == 404:
-            msg = (f"no endpoint {request.method} {request.url.path}; the endpoints are /health, /v1/models, "
-                   f"/v1/chat/completions, /v1/completions, /v1/sessions (docs/serving.md)")
+            msg = (f"no endpoint {request.method} {request.url.path}; the endpoints are /, /health, /metrics, "
+                   f"/v1/models, /v1/chat/completions, /v1/completions, /v1/sessions (docs/serving.md)")
         elif e.status_code == 405:
             msg = f"{request.method} is not allowed on {request.url.path}"
         else:
@@ -877,7 +882,7 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
 
     chat_page = (resources.files(__package__) / "static" / "chat.html").read_text(encoding="utf-8")
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def web_chat():
         return HTMLResponse(chat_page)
 
