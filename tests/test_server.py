@@ -4,19 +4,19 @@ status and the OpenAI error shape, sessions prefill only new tokens, and a clien
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from click.testing import CliRunner
 
 from turbo import Engine, EngineConfig, GenerationConfig
 from turbo.cli import main
 from turbo.server import UNLIKELY_LOGPROB, create_app
+
+from conftest import serve_in_thread
 
 pytestmark = pytest.mark.slow
 KEY = "sk-test-key"
@@ -29,18 +29,9 @@ def served(smollm2_rtn_g64):
     """(base url, app) of a server on a free loopback port; stopped (and its engine loop) at the end."""
     engine = Engine(smollm2_rtn_g64, EngineConfig(max_kv_tokens=2048, max_batch_size=8))
     app = create_app(engine, model_name=MODEL, api_keys=[KEY, "sk-other"], max_request_bytes=64 * 1024)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    server.should_exit = True
-    thread.join(10)
+    url, stop = serve_in_thread(app)
+    yield url, app
+    stop()
     assert not app.state.loop.running  # the app's own loop stops with it
 
 
@@ -356,25 +347,6 @@ def test_cli_serve_options_and_bad_port():
     assert r.exit_code == 2 and "port must be an integer in [0, 65535], got 70000" in r.output
 
 
-def _start(app):
-    """Serve ``app`` on a free loopback port in a thread; returns (url, stop)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-
-    def stop():
-        server.should_exit = True
-        thread.join(10)
-
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
-
-
 def test_metrics_count_requests_tokens_and_latencies(url, http):
     def scrape():
         r = httpx.get(f"{url}/metrics", timeout=30)
@@ -417,12 +389,12 @@ def test_sessions_survive_a_server_restart_with_the_same_tokens(smollm2_rtn_g64,
         return create_app(eng, model_name=MODEL, api_keys="",
                           sessions=SessionRegistry(eng, session_dir=tmp_path / "sessions"))
 
-    url1, stop1 = _start(app_with(engine()))
+    url1, stop1 = serve_in_thread(app_with(engine()))
     sid = httpx.post(f"{url1}/v1/sessions", json={}, timeout=60).json()["id"]
     got = [httpx.post(f"{url1}/v1/sessions/{sid}/chat", json={"content": t, **body}, timeout=120).json()
            for t in turns[:3]]
     stop1()
-    url2, stop2 = _start(app_with(engine()))
+    url2, stop2 = serve_in_thread(app_with(engine()))
     try:
         r = httpx.post(f"{url2}/v1/sessions/{sid}/chat", json={"content": turns[3], **body}, timeout=120).json()
         hist = httpx.get(f"{url2}/v1/sessions/{sid}", timeout=60).json()

@@ -19,11 +19,9 @@ import os
 import re
 import select
 import shutil
-import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from html.parser import HTMLParser
 from importlib import resources
@@ -32,10 +30,11 @@ from urllib.parse import urlencode
 
 import httpx
 import pytest
-import uvicorn
 
 from turbo import Engine, EngineConfig, GenerationConfig
 from turbo.server import create_app
+
+from conftest import serve_in_thread
 
 try:
     import tomllib
@@ -255,18 +254,9 @@ def served(smollm2_rtn_g64):
     """(base url, app) of a server with an API key on a free loopback port; stopped at the end."""
     engine = Engine(smollm2_rtn_g64, EngineConfig(max_kv_tokens=2048, max_batch_size=8))
     app = create_app(engine, model_name=MODEL, api_keys=[KEY])
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    server.should_exit = True
-    thread.join(10)
+    url, stop = serve_in_thread(app)
+    yield url, app
+    stop()
 
 
 @pytest.fixture(scope="module")

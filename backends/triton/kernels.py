@@ -36,6 +36,8 @@ POISON = False  # tests set it: every output buffer starts as NaN (floats) / 0xA
 
 
 def empty_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized output buffer, or, when :data:`POISON` is set (tests), one filled with NaN (floats) or 0xA5
+    (integers) so that an element a kernel fails to write shows."""
     if not POISON:
         return torch.empty(shape, dtype=dtype, device=device)
     if dtype.is_floating_point:
