@@ -15,7 +15,7 @@ from .kv_cache import KV_CACHE_DTYPES, KVCacheSpec, KVQuantParams, PagedKVCache
 from .platform import Platform, current_platform
 from .torch_backend import TorchBackend
 from .triton import TritonBackend
-from .types import AttentionMetadata, QuantizedWeight
+from .types import AttentionMetadata, LinearSpec, QuantizedWeight
 
 _REGISTRY: dict[str, type[Backend]] = {}
 
@@ -61,5 +61,5 @@ register_backend("torch", TorchBackend)
 register_backend("triton", TritonBackend)
 register_backend("ascend", AscendBackend)
 
-__all__ = ["Backend", "TorchBackend", "TritonBackend", "AscendBackend", "Platform", "current_platform", "backend_classes", "KV_CACHE_DTYPES", "KVCacheSpec", "KVQuantParams", "PagedKVCache", "AttentionMetadata", "QuantizedWeight", "get_backend",
+__all__ = ["Backend", "TorchBackend", "TritonBackend", "AscendBackend", "Platform", "current_platform", "backend_classes", "KV_CACHE_DTYPES", "KVCacheSpec", "KVQuantParams", "PagedKVCache", "AttentionMetadata", "LinearSpec", "QuantizedWeight", "get_backend",
            "register_backend", "available_backends"]

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from .platform import _torch_npu
 from .torch_backend import TorchBackend, act_order_permutation
-from .types import QuantizedWeight
+from .types import LinearSpec, QuantizedWeight
 
 VENDOR_OP = "npu_weight_quant_batchmatmul"
 PACK_OP = "npu_convert_weight_to_int4pack"
@@ -154,6 +154,22 @@ class AscendBackend(TorchBackend):
                           RuntimeWarning, stacklevel=3)
 
     # --- W4A16 ---------------------------------------------------------------------------------
+    @classmethod
+    def linear_nbytes(cls, spec: LinearSpec, dtype: torch.dtype, device_type: str = "npu") -> int:
+        """See :meth:`Backend.linear_nbytes`: on an NPU a 4-bit weight the vendor kernel takes is held as
+        :class:`NpuW4A16Handle` (int32 ``(in, out/8)``, scale and offset ``(groups, out)`` in ``dtype``, bias in
+        float32 for bfloat16 else float16, int64 input permutation for act-order); other weights as the torch
+        reference holds them (assumes a torch_npu with the vendor ops)."""
+        gs = spec.in_features if spec.group_size == -1 else spec.group_size
+        k, n = spec.in_features, spec.out_features
+        vendor = (device_type == "npu" and spec.quantized and spec.bits == 4 and dtype in (torch.float16, torch.bfloat16)
+                  and n % 8 == 0 and (gs == k or (gs % 32 == 0 and 32 <= gs < k)))
+        if not vendor:
+            return super().linear_nbytes(spec, dtype, device_type)
+        e = torch.empty((), dtype=dtype).element_size()
+        return (k * n // 2 + 2 * spec.groups * n * e + (n * (4 if dtype == torch.bfloat16 else 2) if spec.bias else 0)
+                + (8 * k if spec.act_order else 0))
+
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
         """:class:`NpuW4A16Handle` when the vendor kernel takes the layout (see
         :func:`vendor_w4a16_layout_problem`), else the torch backend's dequantize + matmul handle (warned once)."""

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .kv_cache import KVCacheSpec, KVQuantParams, PagedKVCache
-from .types import AttentionMetadata, QuantizedWeight
+from .types import AttentionMetadata, LinearSpec, QuantizedWeight
 
 
 class Backend(ABC):
@@ -18,6 +18,11 @@ class Backend(ABC):
     """
 
     name: str = "base"
+    # memory accounting (turbo.planner): whether decode and chunked-prefill attention read K/V in place from the
+    # blocks (else they gather each sequence's context into a contiguous copy per layer), and from how many rows a
+    # quantized linear is dequantized into a dense weight for one GEMM
+    paged_attention: bool = False
+    dequant_min_rows: int = 1 << 62
 
     def __init__(self, device: torch.device | str = "cpu", batch_invariant: bool = False) -> None:
         self.device = torch.device(device)
@@ -44,6 +49,25 @@ class Backend(ABC):
                 "silu_and_mul": generic, "rotary": "backend-specific (abstract)",
                 "attention": "backend-specific (abstract)", "kv_write_int8": "torch reference (PagedKVCache.write)",
                 "kv_write_int4": "torch reference (PagedKVCache.write)"}
+
+    # --- memory accounting ---------------------------------------------------------------------
+    @classmethod
+    def linear_nbytes(cls, spec: LinearSpec, dtype: torch.dtype, device_type: str = "cpu") -> int:
+        """Bytes this backend holds on ``device_type`` (``cpu``, ``cuda``, ``npu``) for one linear prepared in the
+        compute ``dtype``: what ``prepare_linear`` / ``prepare_w4a16`` / ``prepare_w8a16`` allocate for ``spec``.
+        This default describes the generic handles: a dense weight (and bias) in ``dtype``; int8 codes plus one
+        scale per output channel; a quantized weight kept as the canonical uint8 codes ``[out, in]``, uint8 zero
+        points and scales ``[groups, out]`` (scales in ``spec.scales_dtype``), int32 g_idx for act-order. Backends
+        with their own layouts override it; ``tests/test_planner.py`` checks it against the allocated tensors."""
+        e = torch.empty((), dtype=dtype).element_size()
+        out, inp = spec.out_features, spec.in_features
+        bias = out * e if spec.bias else 0
+        if spec.int8_per_channel:
+            return out * inp + out * e
+        if not spec.quantized:
+            return out * inp * e + bias
+        se = torch.empty((), dtype=spec.scales_dtype).element_size()
+        return out * inp + spec.groups * out * (1 + se) + (4 * inp if spec.act_order else 0) + bias
 
     # --- linear layers -------------------------------------------------------------------------
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Any:

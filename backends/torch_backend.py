@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .base import Backend
 from .kv_cache import PagedKVCache
-from .types import AttentionMetadata, QuantizedWeight
+from .types import AttentionMetadata, LinearSpec, QuantizedWeight
 
 _INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -68,13 +68,17 @@ def act_order_permutation(qw: QuantizedWeight) -> torch.Tensor | None:
 def int4pack_supported(qw: QuantizedWeight, device: torch.device) -> bool:
     """Whether torch's CPU int4pack kernel can hold ``qw`` without changing its numbers (act-order g_idx
     is accepted when a permutation of the inputs makes its groups contiguous)."""
+    return (_int4pack_shape_ok(qw.bits, qw.out_features, qw.in_features, qw.effective_group_size, device.type)
+            and (qw.has_trivial_g_idx() or act_order_permutation(qw) is not None))
+
+
+def _int4pack_shape_ok(bits: int, out_features: int, in_features: int, group_size: int, device_type: str) -> bool:
     return (
-        device.type == "cpu"
-        and qw.bits == 4
-        and qw.out_features % 16 == 0  # the packer tiles N by 16
-        and qw.effective_group_size in _INT4PACK_GROUP_SIZES
-        and qw.in_features % qw.effective_group_size == 0
-        and (qw.has_trivial_g_idx() or act_order_permutation(qw) is not None)
+        device_type == "cpu"
+        and bits == 4
+        and out_features % 16 == 0  # the packer tiles N by 16
+        and group_size in _INT4PACK_GROUP_SIZES
+        and in_features % group_size == 0
         and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
     )
 
@@ -131,6 +135,7 @@ class TorchBackend(Backend):
     """
 
     name = "torch"
+    dequant_min_rows = 96
 
     def __init__(self, device: torch.device | str = "cpu", int4_kernel: bool = True,
                  dequant_min_rows: int = 96, int8_tile_min_rows: int = 12, batch_invariant: bool = False) -> None:
@@ -159,14 +164,30 @@ class TorchBackend(Backend):
         }
 
     # --- W4A16 ---------------------------------------------------------------------------------
+    @classmethod
+    def linear_nbytes(cls, spec: LinearSpec, dtype: torch.dtype, device_type: str = "cpu") -> int:
+        """See :meth:`Backend.linear_nbytes`. On CPU a 4-bit weight the int4pack kernel takes is held twice
+        (:class:`Int4PackHandle`: int4pack codes ``[out, in/2]`` plus nibbles ``[out, in/2]``, i.e. 1 byte per
+        weight; ``scale_zeros``, ``scales`` and ``scaled_zeros`` in ``dtype``, 4 values per group and output; int64
+        input permutation for act-order)."""
+        gs = spec.in_features if spec.group_size == -1 else spec.group_size
+        if not (spec.quantized and _int4pack_shape_ok(spec.bits, spec.out_features, spec.in_features, gs, device_type)):
+            return super().linear_nbytes(spec, dtype, device_type)
+        e = torch.empty((), dtype=dtype).element_size()
+        out = spec.out_features
+        return (out * spec.in_features + 4 * spec.groups * out * e + (out * e if spec.bias else 0)
+                + (8 * spec.in_features if spec.act_order else 0))
+
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
-        """int4pack on CPU when the layout allows (see :func:`int4pack_supported`), else a :class:`DequantHandle`."""
+        """int4pack on CPU when the layout allows (see :func:`int4pack_supported`), else a :class:`DequantHandle`
+        (a trivial g_idx is dropped: it costs 4 bytes per input channel and says nothing)."""
         if self.int4_kernel and int4pack_supported(qw, self.device):
             return pack_int4_for_cpu(qw, dtype)
+        g_idx = None if qw.has_trivial_g_idx() else qw.g_idx.to(self.device)
         moved = QuantizedWeight(
             bits=qw.bits, group_size=qw.group_size, sym=qw.sym,
             qweight=qw.qweight.to(self.device), qzeros=qw.qzeros.to(self.device),
-            scales=qw.scales.to(self.device), g_idx=None if qw.g_idx is None else qw.g_idx.to(self.device),
+            scales=qw.scales.to(self.device), g_idx=g_idx,
         )
         return DequantHandle(moved, dtype, None if qw.bias is None else qw.bias.to(self.device, dtype))
 

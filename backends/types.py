@@ -127,6 +127,40 @@ class QuantizedWeight:
         )
 
 
+@dataclass(frozen=True)
+class LinearSpec:
+    """One linear weight as the model loader will hand it to a backend, described without its values: what
+    :meth:`backends.base.Backend.linear_nbytes` needs to count the bytes the backend will hold for it.
+
+    bits: 16 = a dense weight (``prepare_linear``, stored in the compute dtype); 2..8 = a group-quantized weight
+    (``prepare_w4a16``, any width); ``int8_per_channel``: the weight-only int8 output projection of
+    ``prepare_w8a16`` (bits ignored). group_size: input channels per group, ``-1`` = one group per output
+    channel. act_order: the checkpoint carries an act-order ``g_idx`` with regular groups (a permutation of the
+    inputs is then kept). bias: the linear has a bias. scales_dtype: dtype of the checkpoint's scales (float16 in
+    AWQ/GPTQ files); kept as is by layouts that do not convert them.
+    """
+
+    out_features: int
+    in_features: int
+    bits: int = 16
+    group_size: int = -1
+    act_order: bool = False
+    bias: bool = False
+    scales_dtype: torch.dtype = torch.float16
+    int8_per_channel: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        """True for a group-quantized weight (``prepare_w4a16``)."""
+        return self.bits < 16 and not self.int8_per_channel
+
+    @property
+    def groups(self) -> int:
+        """Quantization groups along the input channels."""
+        gs = self.in_features if self.group_size == -1 else self.group_size
+        return -(-self.in_features // gs)
+
+
 @dataclass
 class AttentionMetadata:
     """How the flat token batch of one model step maps onto sequences and the paged KV cache.

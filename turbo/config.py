@@ -49,11 +49,13 @@ class EngineConfig:
     CPU), ``"cpu"``, ``"cuda[:N]"``, ``"npu[:N]"``; resolved by :func:`backends.platform.current_platform`. dtype:
     compute dtype, ``"auto"`` = the platform's default (bfloat16 where native, else float16 on accelerators and
     float32 on CPUs).
-    block_size: tokens per KV block. KV pool size, first that is set wins: ``num_blocks``; ``kv_cache_gib``
-    (absolute); ``cache_max_entry_count`` (fraction of the memory left after the weights: free GPU memory, or
-    available RAM on CPU, as LMDeploy's option); else ``max_kv_tokens`` (rounded up to whole blocks).
+    block_size: tokens per KV block. KV pool size (accounting in :mod:`turbo.planner`), first that is set wins:
+    ``num_blocks``; ``kv_cache_gib`` (absolute); ``cache_max_entry_count`` (fraction of the memory left after the
+    weights and a step's workspace: free GPU/NPU memory, or available RAM on CPU, as LMDeploy's option);
+    ``max_kv_tokens`` (rounded up to whole blocks); none set: 0.9 of that memory on GPUs/NPUs, 16,384 tokens on
+    CPUs. A pool that does not fit is refused at start-up with the shortfall.
     session_len: longest token history of one sequence (default: the model's max_position_embeddings,
-    capped by the pool). max_num_batched_tokens: tokens computed per step (long prompts are chunked to fit).
+    capped by the pool; a larger explicit value than the pool holds is refused). max_num_batched_tokens: tokens computed per step (long prompts are chunked to fit).
     max_batch_size: sequences in the persistent batch at most.
     batch_invariant: kernels chosen per token, never by the step's size, so that in 16-bit a request's
     greedy output does not depend on what it was batched with or on prefix-cache hits (bit-exact); costs
@@ -70,7 +72,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 64
-    max_kv_tokens: int = 16384
+    max_kv_tokens: int | None = None
     num_blocks: int | None = None
     kv_cache_gib: float | None = None
     cache_max_entry_count: float | None = None
@@ -90,9 +92,9 @@ class EngineConfig:
         for name in ("backend", "device", "dtype", "lm_head"):
             _coerce(self, name, "str")
         self.backend = self.backend.strip().lower()
-        for name in ("block_size", "max_kv_tokens", "max_num_batched_tokens", "max_batch_size"):
+        for name in ("block_size", "max_num_batched_tokens", "max_batch_size"):
             _coerce(self, name, "int")
-        for name in ("num_blocks", "session_len", "quant_policy"):
+        for name in ("num_blocks", "session_len", "quant_policy", "max_kv_tokens"):
             _coerce(self, name, "int", optional=True)
         for name in ("kv_cache_gib", "cache_max_entry_count"):
             _coerce(self, name, "float", optional=True)
@@ -115,9 +117,11 @@ class EngineConfig:
                 self.kv_cache_dtype = asked
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise LiteturboError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_kv_tokens", "max_num_batched_tokens", "max_batch_size"):
+        for name in ("block_size", "max_num_batched_tokens", "max_batch_size"):
             if getattr(self, name) <= 0:
                 raise LiteturboError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_kv_tokens is not None and self.max_kv_tokens <= 0:
+            raise LiteturboError(f"max_kv_tokens must be positive, got {self.max_kv_tokens}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise LiteturboError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:

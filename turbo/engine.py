@@ -27,7 +27,8 @@ from .block_manager import BlockManager
 from .config import EngineConfig, GenerationConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from . import inputs
-from .model import LlamaModel
+from .model import LlamaModel, ModelConfig
+from . import planner
 from .sampler import RowSampling, SamplingError, sample_batch
 from .scheduler import Scheduler, ScheduledStep, Sequence
 
@@ -186,6 +187,7 @@ class Engine:
         lm_int8 = self.config.lm_head == "int8" or (
             self.config.lm_head == "auto" and bool(raw_cfg.get("quantization_config"))
             and self.backend.device.type == "cpu" and self.dtype != torch.float32)
+        self._check_fits_before_loading(raw_cfg, lm_int8)
         self.model = LlamaModel.from_pretrained(self.path, self.backend, self.dtype, lm_head_int8=lm_int8)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
@@ -196,7 +198,7 @@ class Engine:
         bs = self.config.block_size
         self.kv_cache_dtype = self.config.kv_storage_dtype()
         self.kv_params = self._kv_params(raw_cfg)
-        num_blocks = self._pool_blocks()
+        num_blocks = self._pool_blocks(raw_cfg, lm_int8)
         self.block_manager = BlockManager(num_blocks, bs, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_batched_tokens)
         try:
@@ -247,29 +249,94 @@ class Engine:
         except ValueError as e:
             raise LiteturboError(str(e)) from None
 
-    def _pool_blocks(self) -> int:
-        """KV blocks to allocate, from the first pool-size option that is set (see :class:`EngineConfig`), counting
-        the real bytes of a block in the chosen KV dtype (scales included). Raises ``LiteturboError`` when the
-        pool would not fit in the device's free memory."""
+    def _plan_model(self, raw_cfg: dict, lm_int8: bool):
+        """(ModelConfig, WeightChoice) the planner counts with, from config.json and the weight headers."""
+        cfg = ModelConfig.from_dict(raw_cfg)
+        return cfg, planner.weight_choice(self.path, raw_cfg, lm_int8)
+
+    def _workspace(self, mcfg, quantized: bool, lm_int8: bool, context_tokens: int | None = None) -> dict[str, int]:
+        c = self.config
+        return planner.workspace_breakdown(
+            mcfg, type(self.backend), self.dtype, self.kv_cache_dtype, quantized, lm_int8, c.max_num_batched_tokens,
+            c.max_batch_size, min(c.session_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings),
+            c.batch_invariant, context_tokens)
+
+    def _check_fits_before_loading(self, raw_cfg: dict, lm_int8: bool) -> None:
+        """Refuse, before reading any weight, a model whose weights and step workspace exceed the free memory
+        (memory other processes use is not free), naming the shortfall and what would help."""
+        mcfg, wc = self._plan_model(raw_cfg, lm_int8)
+        weights = sum(planner.weight_breakdown(mcfg, type(self.backend), self.platform.device.type, self.dtype,
+                                               wc).values())
+        self.kv_cache_dtype = self.config.kv_storage_dtype()
+        ws = sum(self._workspace(mcfg, wc.bits < 16, lm_int8, context_tokens=self.config.block_size).values())
+        free = self._free_memory()
+        if weights + ws > free:
+            c = self.config
+            raise LiteturboError(
+                f"{self.path.name} does not fit on {self.platform.device}: its weights take {planner.gib(weights)} "
+                f"({'W%dA16' % wc.bits if wc.bits < 16 else str(self.dtype).removeprefix('torch.')}) and a step's "
+                f"workspace {planner.gib(ws)} (max_num_batched_tokens={c.max_num_batched_tokens}, "
+                f"max_batch_size={c.max_batch_size}), but only {planner.gib(free)} of {self.platform.kind} memory is "
+                f"free (the rest is in use): {planner.gib(weights + ws - free)} short, before any KV cache. "
+                f"Quantize it to 4 bits (liteturbo lite auto-awq), lower max_num_batched_tokens, free memory, or use "
+                f"a larger device; `liteturbo plan {self.path}` shows the accounting")
+
+    def _pool_blocks(self, raw_cfg: dict, lm_int8: bool) -> int:
+        """KV blocks to allocate (see :mod:`turbo.planner`: ``free − workspace`` after the weights are loaded,
+        the first pool option that is set, or the default), counting the real bytes of a block in the chosen KV
+        dtype (scales included). Raises ``LiteturboError`` naming the shortfall and the options that would fit when
+        the pool, or one session of an explicit ``session_len``, does not fit."""
         cfg = self.config
         bs = cfg.block_size
+        mcfg, wc = self._plan_model(raw_cfg, lm_int8)
         block_bytes = self._kv_spec(1).bytes_per_block()
         free = self._free_memory()
-        if cfg.num_blocks is not None:
-            n, what = cfg.num_blocks, f"num_blocks={cfg.num_blocks}"
-        elif cfg.kv_cache_gib is not None:
-            n, what = int(cfg.kv_cache_gib * 2**30 // block_bytes), f"kv_cache_gib={cfg.kv_cache_gib}"
-        elif cfg.cache_max_entry_count is not None:
-            n, what = int(cfg.cache_max_entry_count * free // block_bytes), f"cache_max_entry_count={cfg.cache_max_entry_count}"
-        else:
-            n, what = (cfg.max_kv_tokens + bs - 1) // bs, f"max_kv_tokens={cfg.max_kv_tokens}"
-        if n < 1:
-            raise LiteturboError(f"the KV pool option leaves room for no block of {block_bytes} bytes; give it more")
-        if n * block_bytes > free:
-            raise LiteturboError(f"{what} asks for a KV cache of {n * block_bytes / 2**30:.2f} GiB but only "
-                                 f"{free / 2**30:.2f} GiB of {self.backend.device.type} memory is free; lower it "
-                                 f"(or use cache_max_entry_count, a fraction of the free memory)")
-        return n
+        accel = self.platform.kind != "cpu"
+
+        def size(ws_total: int):
+            return planner.size_pool(free, ws_total, block_bytes, bs, num_blocks=cfg.num_blocks,
+                                     kv_cache_gib=cfg.kv_cache_gib, cache_max_entry_count=cfg.cache_max_entry_count,
+                                     max_kv_tokens=cfg.max_kv_tokens, accelerator=accel)
+
+        ws = self._workspace(mcfg, wc.bits < 16, lm_int8)
+        pool = size(sum(ws.values()))
+        if not type(self.backend).paged_attention and pool.blocks:  # decode gathers at most the pool's tokens
+            ws = self._workspace(mcfg, wc.bits < 16, lm_int8, context_tokens=pool.blocks * bs)
+            pool = size(sum(ws.values()))
+        self.workspace_bytes = sum(ws.values())
+        fitting_tokens = int(pool.available // block_bytes) * bs
+        if pool.blocks < 1:
+            raise LiteturboError(
+                f"{pool.what} asks for a KV cache of {planner.gib(max(pool.asked, block_bytes))} but only "
+                f"{planner.gib(pool.available)} is left of the {planner.gib(free)} of {self.platform.kind} memory free "
+                f"after loading the weights, once a step's workspace ({planner.gib(self.workspace_bytes)}: "
+                f"max_num_batched_tokens={cfg.max_num_batched_tokens}, max_batch_size={cfg.max_batch_size}) is set "
+                f"aside: {planner.gib(max(pool.asked, block_bytes) - pool.available)} short. To fit: "
+                + self._fit_hint(fitting_tokens))
+        tokens = pool.blocks * bs
+        wanted = cfg.session_len and min(cfg.session_len, mcfg.max_position_embeddings)
+        if wanted and wanted > tokens:
+            raise LiteturboError(
+                f"session_len={wanted} needs {wanted} tokens of KV cache but the pool ({pool.what}) holds {tokens} "
+                f"({planner.gib(-(-wanted // bs) * block_bytes - pool.blocks * block_bytes)} short). To fit: "
+                + self._fit_hint(fitting_tokens, session=True))
+        return pool.blocks
+
+    def _fit_hint(self, fitting_tokens: int, session: bool = False) -> str:
+        """The options that would make the KV pool fit, for error messages."""
+        cfg = self.config
+        hints = []
+        if session:
+            hints.append("a smaller session_len, or a larger pool (max_kv_tokens / kv_cache_gib / "
+                         "cache_max_entry_count)")
+        elif fitting_tokens >= cfg.block_size:
+            hints.append(f"max_kv_tokens={fitting_tokens} (the most that fits), or cache_max_entry_count=0.9")
+        if self.kv_cache_dtype not in ("int8", "int4"):
+            hints.append("kv_cache_dtype='int8' (about half the bytes per token) or 'int4'")
+        elif self.kv_cache_dtype == "int8":
+            hints.append("kv_cache_dtype='int4'")
+        hints.append("a smaller max_num_batched_tokens or max_batch_size (less workspace)")
+        return "; ".join(hints) + f" (`liteturbo plan {self.path}` shows the accounting)"
 
     def _free_memory(self) -> int:
         """Free bytes where the KV cache lives: free device memory, or available RAM on CPU (the platform's)."""

@@ -5,6 +5,7 @@ forward is a loop over layers. Family differences come from :mod:`lite.formats.a
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,22 @@ class ConcatLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def _tensors(obj):
+    """Every tensor inside ``obj``: tensors, lists/tuples, dataclasses (backend handles), linears."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, Linear):
+        yield from _tensors(obj.handle)
+    elif isinstance(obj, ConcatLinear):
+        yield from _tensors(obj.parts)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
 
 
 class Layer:
@@ -310,6 +327,26 @@ class LlamaModel:
             h = h[logits_rows]
         h = be.rms_norm(h, self.norm, cfg.rms_norm_eps)
         return self.lm_head(h).float()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of every tensor the model holds, by part (the keys of :func:`turbo.planner.weight_breakdown`):
+        ``decoder linears``, ``embeddings``, ``lm_head`` (0 when it shares the embedding table), ``norms``,
+        ``rotary tables``. Counted from the tensors themselves (each storage once), so it checks the planner."""
+        seen: set[int] = set()
+
+        def size(*objs) -> int:
+            total = 0
+            for t in _tensors(objs):
+                key = t.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += t.untyped_storage().nbytes()
+            return total
+
+        norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]
+        return {"decoder linears": size(*[(l.qkv, l.o, l.gate_up, l.down) for l in self.layers]),
+                "embeddings": size(self.embed), "lm_head": size(self.lm_head), "norms": size(norms, self.norm),
+                "rotary tables": size(self.cos_sin)}
 
     def check_positions(self, max_position: int) -> None:
         """Raise ``LiteturboError`` when ``max_position`` (host int) is past the rotary table

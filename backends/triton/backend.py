@@ -26,7 +26,7 @@ import torch
 from ..kv_cache import KVCacheSpec, KVQuantParams, PagedKVCache
 from ..platform import triton_interpret
 from ..torch_backend import TorchBackend, act_order_permutation
-from ..types import AttentionMetadata, QuantizedWeight
+from ..types import AttentionMetadata, LinearSpec, QuantizedWeight
 
 
 def triton_version() -> str | None:
@@ -85,6 +85,8 @@ class TritonBackend(TorchBackend):
     """
 
     name = "triton"
+    paged_attention = True
+    dequant_min_rows = 128
 
     def __init__(self, device: torch.device | str = "cuda", batch_invariant: bool = False,
                  dequant_min_rows: int = 128, split_k: int | None = None, fused_elementwise: bool = True,
@@ -136,6 +138,18 @@ class TritonBackend(TorchBackend):
         }
 
     # --- W4A16 ---------------------------------------------------------------------------------------------
+    @classmethod
+    def linear_nbytes(cls, spec: LinearSpec, dtype: torch.dtype, device_type: str = "cuda") -> int:
+        """See :meth:`Backend.linear_nbytes`: a 4-bit weight as :class:`TritonW4Handle` (int32 words
+        ``[ceil(in/8), out]``, scales ``[groups, out]`` in ``dtype``, uint8 zeros ``[groups, out]``, int64 input
+        permutation for act-order, bias in ``dtype``); other widths as the torch reference holds them."""
+        if not spec.quantized or spec.bits != 4:
+            return super().linear_nbytes(spec, dtype, device_type)
+        e = torch.empty((), dtype=dtype).element_size()
+        out = spec.out_features
+        return (-(-spec.in_features // 8) * out * 4 + spec.groups * out * (e + 1) + (out * e if spec.bias else 0)
+                + (8 * spec.in_features if spec.act_order else 0))
+
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
         """Repack for the fused kernel (4-bit only; other widths use the torch reference's dequantize path)."""
         if qw.bits != 4:

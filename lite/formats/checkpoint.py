@@ -179,6 +179,10 @@ class LazyStateDict:
         """Shape of ``name`` from the header (nothing is read). Raises ``KeyError``."""
         return self._where[name][2]
 
+    def dtype(self, name: str) -> torch.dtype:
+        """Stored dtype of ``name`` from the header (nothing is read). Raises ``KeyError``."""
+        return self._where[name][1]
+
     def nbytes(self, name: str) -> int:
         """Bytes ``name`` takes on disk and once read (from the header). Raises ``KeyError``."""
         return self._where[name][4]

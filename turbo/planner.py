@@ -1,0 +1,441 @@
+"""Memory planner: does a model fit on a device, with how much context and how many sessions, answered from
+``config.json`` before anything is loaded, with the accounting the engine itself uses at start-up.
+
+Memory of a running engine, in four parts (all in bytes):
+
+* **weights**: what the backend holds after loading, counted per linear by the backend's own
+  :meth:`backends.base.Backend.linear_nbytes` (packed codes, scales, zero points in its layout), plus the 16-bit
+  embedding table, the lm_head (none when tied to the embeddings, int8 + per-channel scales when the engine
+  runs it as weight-only int8), the norms, and the rotary cos/sin tables (float32 ``[max_position, head_dim]``
+  each). ``tests/test_planner.py`` checks these figures equal the tensors the engine allocates.
+* **workspace**: transient tensors of the largest step (an upper-bound estimate, see :func:`workspace_breakdown`):
+  activations of a prefill chunk of ``max_num_batched_tokens`` tokens, the dense copy of a quantized weight when a
+  chunk is large enough to be dequantized for one GEMM, attention scratch (contexts gathered per layer by
+  backends without a paged-attention kernel; split-KV partials), logits and sampling for ``max_batch_size`` rows.
+* **KV pool**: blocks of ``block_size`` tokens, each token costing
+  :meth:`backends.kv_cache.KVCacheSpec.bytes_per_token` (all layers, keys and values, int8/int4 scales included).
+* **reserve** (accelerators only, planner only): CUDA/ROCm/NPU context, library workspaces and allocator slack,
+  :data:`ACCELERATOR_RESERVE`. At start-up the engine measures free memory instead, which already excludes it.
+
+Pool sizing (:func:`size_pool`, used by the engine and by :func:`plan`): ``available = free − workspace`` where
+``free`` is the memory left once the weights are loaded (what the device reports, so memory other processes use is
+accounted for); the pool takes ``cache_max_entry_count`` (default :data:`POOL_FRACTION` on accelerators) of
+``available``, or the fixed size asked for (``num_blocks``, ``kv_cache_gib``, ``max_kv_tokens``; on CPUs the default
+is :data:`CPU_DEFAULT_KV_TOKENS` tokens), which must fit in ``available``. The workspace grows with the prefill chunk,
+so a larger chunk never makes the pool hold more tokens.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from backends import Backend, KVCacheSpec, LinearSpec, backend_classes
+from lite.formats import LiteturboError
+
+GiB = 2**30
+MiB = 2**20
+ACCELERATOR_RESERVE = GiB  # context + cuBLAS/Triton workspaces + allocator slack on a GPU/NPU (planner estimate)
+POOL_FRACTION = 0.9  # share of the memory left after weights and workspace the KV pool takes by default (GPU/NPU)
+CPU_DEFAULT_KV_TOKENS = 16384
+SAMPLING_BYTES_PER_LOGIT = 16  # float32 probabilities + sorted float32 values + int64 indices (top-k/top-p)
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_UNITS = {"": GiB, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": MiB,
+          "g": GiB, "gb": 10**9, "gib": GiB, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_memory(text: str | int | float) -> int:
+    """Bytes from ``"24GiB"``, ``"24 GB"`` (10^9), ``"24000MiB"``, ``"24"`` (a bare number is GiB).
+    Raises ``LiteturboError`` for anything else or a value that is not positive."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise LiteturboError(f"cannot read the memory size {text!r}; write it as 24GiB, 24GB, 24000MiB or 24 "
+                                 f"(GiB)")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    if not value > 0 or not math.isfinite(value):
+        raise LiteturboError(f"the memory size must be positive, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def gib(n: int | float) -> str:
+    """``n`` bytes as GiB with two decimals (``"1.25 GiB"``)."""
+    return f"{n / GiB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class WeightChoice:
+    """How the decoder linears are stored: ``bits`` 16 (dense, compute dtype) or 2..8 (group-quantized with
+    ``group_size``, ``act_order`` g_idx, scales in ``scales_dtype``); ``lm_head_int8``: the output projection as
+    weight-only int8 (what the engine does for quantized checkpoints on CPU, ``lm_head="auto"``)."""
+
+    bits: int = 4
+    group_size: int = 128
+    act_order: bool = False
+    scales_dtype: torch.dtype = torch.float16
+    lm_head_int8: bool = False
+
+
+def decoder_linear_specs(cfg, w: WeightChoice) -> list[LinearSpec]:
+    """The linears of one decoder layer as the loader builds them (q/k/v fused, gate/up fused). ``cfg`` is a
+    :class:`turbo.model.ModelConfig`."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes = [(q + 2 * kv, h, cfg.qkv_bias), (h, q, cfg.o_bias), (2 * inter, h, cfg.mlp_bias), (h, inter, cfg.mlp_bias)]
+    return [LinearSpec(o, i, bits=w.bits, group_size=w.group_size if w.bits < 16 else -1, act_order=w.act_order,
+                       bias=b, scales_dtype=w.scales_dtype) for o, i, b in shapes]
+
+
+def weight_breakdown(cfg, backend_cls: type[Backend], device_type: str, dtype: torch.dtype,
+                     w: WeightChoice) -> dict[str, int]:
+    """Bytes the engine holds for the weights, by part: ``decoder linears``, ``embeddings``, ``lm_head``, ``norms``,
+    ``rotary tables`` (see the module docstring). ``cfg`` is a :class:`turbo.model.ModelConfig`."""
+    e = torch.empty((), dtype=dtype).element_size()
+    per_layer = sum(backend_cls.linear_nbytes(s, dtype, device_type) for s in decoder_linear_specs(cfg, w))
+    embed = cfg.vocab_size * cfg.hidden_size * e
+    if w.lm_head_int8:
+        lm_head = backend_cls.linear_nbytes(LinearSpec(cfg.vocab_size, cfg.hidden_size, int8_per_channel=True),
+                                            dtype, device_type)
+    else:
+        lm_head = 0 if cfg.tie_word_embeddings else embed
+    norms = (cfg.num_layers * (2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)) + cfg.hidden_size) * e
+    rotary = 2 * max(cfg.max_position_embeddings, 1) * cfg.head_dim * 4
+    return {"decoder linears": cfg.num_layers * per_layer, "embeddings": embed, "lm_head": lm_head, "norms": norms,
+            "rotary tables": rotary}
+
+
+def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_cache_dtype: str,
+                        quantized: bool, lm_head_int8: bool, max_num_batched_tokens: int, max_batch_size: int,
+                        session_len: int, batch_invariant: bool = False,
+                        context_tokens: int | None = None) -> dict[str, int]:
+    """Upper-bound estimate of the transient memory of one step, by part (bytes).
+
+    T = ``max_num_batched_tokens`` (tokens of one step), B = ``max_batch_size`` (rows that need logits),
+    C = ``session_len`` (longest context), E = bytes of ``dtype``:
+
+    * ``activations``: everything a layer keeps alive at once for T tokens: residual, normed input, fused QKV,
+      rotated q/k, attention output, gate/up, SiLU product and the MLP output, plus float32 norm statistics.
+    * ``dequantized weight``: the largest quantized linear as a dense ``dtype`` weight plus its uint8 codes, when
+      T reaches the backend's ``dequant_min_rows`` (never with ``batch_invariant``).
+    * ``attention``: a backend without a paged kernel gathers contexts per layer (keys and values in ``dtype``; with
+      an int8/int4 cache also the codes and a float32 copy) and computes float32 scores: for a chunked prefill of T
+      tokens over C (math-path bound ``H x T x C``) or for decode over ``context_tokens`` (default ``B x C``; the
+      engine caps it by the pool); a paged kernel gathers only a whole prompt's own keys and values and keeps
+      float32 split-KV partials.
+    * ``logits and sampling``: B rows of logits in ``dtype`` and float32, :data:`SAMPLING_BYTES_PER_LOGIT` per logit
+      for sampling, and the int8 lm_head's dequantized tile.
+    """
+    e = torch.empty((), dtype=dtype).element_size()
+    t, b, c = max_num_batched_tokens, max_batch_size, session_len
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    nh, nkv = cfg.num_heads, cfg.num_kv_heads
+    qkv = (nh + 2 * nkv) * hd
+    act = t * e * (3 * h + qkv + 2 * (nh + nkv) * hd + nh * hd + 4 * inter) + t * h * 8
+    dequant = 0
+    if quantized and not batch_invariant and t >= backend_cls.dequant_min_rows:
+        dequant = max(qkv * h, h * nh * hd, 2 * inter * h, h * inter) * (e + 1)
+    kv_quant = kv_cache_dtype in ("int8", "int4")
+    gather_per_token = 2 * nkv * hd * (e + (5 if kv_quant else 0))
+    if backend_cls.paged_attention:
+        parts = -(-c // 512)
+        attn = t * gather_per_token + b * nh * parts * (hd + 2) * 4
+    else:
+        ctx = b * c if context_tokens is None else min(context_tokens, b * c)
+        prefill = c * gather_per_token + nh * t * c * (4 + e)
+        decode = ctx * (gather_per_token + nh * (8 + e))
+        attn = max(prefill, decode)
+    rows = min(b, t)
+    logits = rows * cfg.vocab_size * (e + 4 + SAMPLING_BYTES_PER_LOGIT)
+    if lm_head_int8:
+        logits += min(4096, cfg.vocab_size) * h * e
+    return {"activations": act, "dequantized weight": dequant, "attention": attn, "logits and sampling": logits}
+
+
+def kv_spec(cfg, kv_cache_dtype: str, block_size: int, num_blocks: int = 1) -> KVCacheSpec:
+    """The :class:`~backends.kv_cache.KVCacheSpec` the engine allocates for ``cfg``. Raises ``LiteturboError`` for a
+    dtype the cache cannot hold (e.g. int4 with an odd head_dim)."""
+    try:
+        return KVCacheSpec(kv_cache_dtype, num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    except ValueError as e:
+        raise LiteturboError(str(e)) from None
+
+
+@dataclass
+class PoolSize:
+    """Result of :func:`size_pool`: ``blocks`` to allocate (0 = does not fit), ``available`` bytes for the pool
+    (free − workspace), ``asked`` bytes the option asks for, and ``what`` (the option that decided)."""
+
+    blocks: int
+    available: int
+    asked: int
+    what: str
+
+
+def size_pool(free: int, workspace: int, bytes_per_block: int, block_size: int, *, num_blocks: int | None = None,
+              kv_cache_gib: float | None = None, cache_max_entry_count: float | None = None,
+              max_kv_tokens: int | None = None, accelerator: bool = False) -> PoolSize:
+    """KV blocks for the first pool option that is set (``num_blocks``, ``kv_cache_gib``, ``cache_max_entry_count``
+    of ``free − workspace``, ``max_kv_tokens``); none set: :data:`POOL_FRACTION` of ``free − workspace`` on
+    accelerators, :data:`CPU_DEFAULT_KV_TOKENS` tokens on CPUs. ``blocks`` is 0 when a fixed size does not fit
+    (the caller names the shortfall ``asked − available``)."""
+    available = max(free - workspace, 0)
+    if num_blocks is not None:
+        n, what = num_blocks, f"num_blocks={num_blocks}"
+    elif kv_cache_gib is not None:
+        n, what = int(kv_cache_gib * GiB // bytes_per_block), f"kv_cache_gib={kv_cache_gib}"
+    elif cache_max_entry_count is not None or (accelerator and max_kv_tokens is None):
+        frac = POOL_FRACTION if cache_max_entry_count is None else cache_max_entry_count
+        n = int(frac * available // bytes_per_block)
+        what = f"cache_max_entry_count={frac}"
+        return PoolSize(n, available, n * bytes_per_block, what)
+    else:
+        tokens = CPU_DEFAULT_KV_TOKENS if max_kv_tokens is None else max_kv_tokens
+        n, what = -(-tokens // block_size), f"max_kv_tokens={tokens}"
+    asked = n * bytes_per_block
+    return PoolSize(n if asked <= available else 0, available, asked, what)
+
+
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """What :func:`plan` found; ``to_dict()`` is the ``--json`` output. Sizes in bytes, token counts in tokens."""
+
+    model: str
+    device: str
+    backend: str
+    dtype: str
+    budget: int
+    budget_source: str
+    reserve: int
+    weights: dict[str, int]
+    workspace: dict[str, int]
+    weight_bits: int
+    group_size: int
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    block_size: int
+    pool_blocks: int
+    pool_tokens: int
+    pool_bytes: int
+    session_len: int
+    sessions_at_once: int
+    max_batch_size: int
+    max_num_batched_tokens: int
+    fits: bool
+    reason: str
+    engine_options: dict = field(default_factory=dict)
+    suggestions: list[str] = field(default_factory=list)
+    quantization: dict | None = None
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def workspace_total(self) -> int:
+        return sum(self.workspace.values())
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(weights_total=self.weights_total, workspace_total=self.workspace_total)
+        return d
+
+    def serve_command(self, model_arg: str) -> str:
+        """The ``liteturbo serve`` command line with :attr:`engine_options`."""
+        opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.engine_options.items())
+        return f"liteturbo serve {model_arg} {opts}".strip()
+
+    def table(self) -> str:
+        """The plan as a plain-text table (what ``liteturbo plan`` prints)."""
+        rows = [("budget", gib(self.budget), self.budget_source)]
+        if self.reserve:
+            rows.append(("reserve", gib(self.reserve), "GPU/NPU context, library workspaces, allocator slack"))
+        wdesc = (f"W{self.weight_bits}A16 g{self.group_size}" if self.weight_bits < 16 else f"{self.dtype} weights")
+        for k, v in self.weights.items():
+            note = {"decoder linears": f"{wdesc}: packed codes, scales, zero points ({self.backend} layout)"
+                    if self.weight_bits < 16 else wdesc,
+                    "embeddings": self.dtype, "lm_head": "tied to the embeddings" if v == 0 else "",
+                    "rotary tables": "float32 cos/sin"}.get(k, "")
+            rows.append((f"weights: {k}", gib(v), note))
+        rows.append(("weights total", gib(self.weights_total), ""))
+        for k, v in self.workspace.items():
+            rows.append((f"workspace: {k}", gib(v), ""))
+        rows.append(("workspace total", gib(self.workspace_total),
+                     f"prefill chunk {self.max_num_batched_tokens} tokens, {self.max_batch_size} rows"))
+        rows.append(("KV cache per token", f"{self.kv_bytes_per_token / 1024:.1f} KiB",
+                     f"{self.kv_cache_dtype}, all layers, K and V, scales included"))
+        rows.append(("KV pool", gib(self.pool_bytes), f"{self.pool_tokens:,} tokens in {self.pool_blocks:,} blocks "
+                                                      f"of {self.block_size}"))
+        rows.append(("sessions at once", str(self.sessions_at_once), f"of session_len {self.session_len:,} tokens"))
+        rows.append(("fits", "yes" if self.fits else "NO", self.reason))
+        w0 = max(len(r[0]) for r in rows)
+        w1 = max(len(r[1]) for r in rows)
+        head = f"{self.model} on {self.device} ({self.backend} backend, {self.dtype} compute)"
+        lines = [head, "-" * len(head)] + [f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
+        if self.suggestions:
+            lines.append("to fit: " + "; ".join(self.suggestions))
+        if self.quantization:
+            q = self.quantization
+            lines.append(f"quantize with lite ({q['method']}, {q['calib_samples']} x {q['calib_seqlen']} calibration "
+                         f"tokens, on {q['device']}): peak {gib(q['peak'])} "
+                         f"({', '.join(f'{k} {gib(v)}' for k, v in q['parts'].items())}) -> "
+                         f"{'fits' if q['fits'] else 'does NOT fit'} in {gib(self.budget)}"
+                         + (f"; {q['advice']}" if q.get("advice") else ""))
+        return "\n".join(lines)
+
+
+def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, budget_source: str,
+         backend: str = "auto", dtype: torch.dtype = torch.bfloat16, weights: WeightChoice | None = None,
+         kv_cache_dtype: str = "auto", session_len: int | None = None, max_batch_size: int = 64,
+         max_num_batched_tokens: int = 1024, block_size: int = 64, in_use: int = 0,
+         cache_max_entry_count: float | None = None, max_kv_tokens: int | None = None) -> Plan:
+    """Plan serving ``cfg`` (a :class:`turbo.model.ModelConfig`) on a ``device_kind`` (``cpu``, ``cuda``, ``rocm``,
+    ``npu``) with ``budget`` bytes of memory, ``in_use`` of them already taken by others. Everything else as the
+    engine's options (:class:`turbo.config.EngineConfig`). Raises ``LiteturboError`` for impossible options."""
+    w = weights or WeightChoice()
+    accel = device_kind != "cpu"
+    name = backend
+    if name == "auto":
+        name = {"cuda": "triton", "rocm": "triton", "npu": "ascend"}.get(device_kind, "torch")
+    classes = backend_classes()
+    if name not in classes:
+        raise LiteturboError(f"unknown backend {backend!r}; choose one of auto, {', '.join(sorted(classes))}")
+    cls = classes[name]
+    dev_type = "cuda" if device_kind in ("cuda", "rocm") else device_kind
+    dname = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+    kv_dtype = dname if kv_cache_dtype == "auto" else kv_cache_dtype
+    spec = kv_spec(cfg, kv_dtype, block_size)
+    bpt, bpb = spec.bytes_per_token(), spec.bytes_per_block()
+    max_pos = cfg.max_position_embeddings
+    want_len = min(session_len or max_pos, max_pos)
+    wb = weight_breakdown(cfg, cls, dev_type, dtype, w)
+    reserve = ACCELERATOR_RESERVE if accel else 0
+    free = budget - reserve - in_use - sum(wb.values())
+
+    def workspace(ctx=None, t=max_num_batched_tokens, b=max_batch_size, length=want_len):
+        return workspace_breakdown(cfg, cls, dtype, kv_dtype, w.bits < 16, w.lm_head_int8, t, b, length,
+                                   context_tokens=ctx)
+
+    def pool_for(ws_total, bpb_=bpb):
+        return size_pool(free, ws_total, bpb_, block_size, cache_max_entry_count=cache_max_entry_count,
+                         max_kv_tokens=max_kv_tokens, accelerator=accel)
+
+    ws = workspace()
+    pool = pool_for(sum(ws.values()))
+    if not cls.paged_attention and pool.blocks:  # decode gathers at most the pool's tokens
+        ws = workspace(ctx=pool.blocks * block_size)
+        pool = pool_for(sum(ws.values()))
+    tokens = pool.blocks * block_size
+    blocks_per_session = -(-want_len // block_size)
+    sessions = pool.blocks // blocks_per_session if pool.blocks else 0
+    ws_total = sum(ws.values())
+    suggestions: list[str] = []
+    if free - ws_total <= 0:
+        fits = False
+        reason = (f"weights {gib(sum(wb.values()))} + workspace {gib(ws_total)}"
+                  + (f" + reserve {gib(reserve)}" if reserve else "") + (f" + {gib(in_use)} in use" if in_use else "")
+                  + f" exceed {gib(budget)} by {gib(-(free - ws_total))}")
+    elif pool.blocks == 0:
+        fits = False
+        reason = (f"{pool.what} asks for {gib(pool.asked)} of KV but {gib(pool.available)} is left: "
+                  f"{gib(pool.asked - pool.available)} short")
+    elif sessions < 1:
+        fits = False
+        reason = (f"the KV pool holds {tokens:,} tokens, less than one session of {want_len:,} "
+                  f"({gib(blocks_per_session * bpb - pool.blocks * bpb)} short)")
+    else:
+        fits = True
+        reason = f"{gib(budget - reserve - in_use - sum(wb.values()) - ws_total - pool.blocks * bpb)} left over"
+    if not fits:
+        suggestions = _suggest(cfg, cls, dev_type, dtype, w, kv_dtype, want_len, max_batch_size,
+                               max_num_batched_tokens, block_size, budget - reserve - in_use, accel)
+    opts = {"kv_cache_dtype": kv_dtype, "session_len": want_len, "max_batch_size": max_batch_size,
+            "max_num_batched_tokens": max_num_batched_tokens}
+    if accel:
+        opts["cache_max_entry_count"] = cache_max_entry_count or POOL_FRACTION
+    else:
+        opts["max_kv_tokens"] = tokens
+    if device_kind != "cpu":
+        opts["device"] = "cuda" if device_kind in ("cuda", "rocm") else "npu"
+    return Plan(model=model, device=device_kind, backend=name, dtype=dname, budget=budget, budget_source=budget_source,
+                reserve=reserve, weights=wb, workspace=ws, weight_bits=w.bits, group_size=w.group_size,
+                kv_cache_dtype=kv_dtype, kv_bytes_per_token=bpt, block_size=block_size, pool_blocks=pool.blocks,
+                pool_tokens=tokens, pool_bytes=pool.blocks * bpb, session_len=want_len, sessions_at_once=sessions,
+                max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, fits=fits,
+                reason=reason, engine_options=opts, suggestions=suggestions)
+
+
+def _suggest(cfg, cls, dev_type, dtype, w, kv_dtype, length, b, t, block_size, budget, accel) -> list[str]:
+    """Options that would make a configuration fit, each checked with the same accounting."""
+    wtot = sum(weight_breakdown(cfg, cls, dev_type, dtype, w).values())
+    out = []
+
+    def tokens_for(kv, t_=t, b_=b, length_=length):
+        bpb = kv_spec(cfg, kv, block_size).bytes_per_block()
+        ws = sum(workspace_breakdown(cfg, cls, dtype, kv, w.bits < 16, w.lm_head_int8, t_, b_, length_,
+                                     context_tokens=b_ * length_ if cls.paged_attention else length_).values())
+        avail = budget - wtot - ws
+        return int((POOL_FRACTION if accel else 1.0) * max(avail, 0) // bpb) * block_size
+
+    if wtot >= budget:
+        if w.bits > 4:
+            w4 = WeightChoice(4, 128, False, w.scales_dtype, w.lm_head_int8)
+            need = sum(weight_breakdown(cfg, cls, dev_type, dtype, w4).values())
+            out.append(f"4-bit weights (liteturbo lite auto-awq; weights {gib(need)})")
+        out.append(f"a device with more than {gib(wtot)} free for the weights alone")
+        return out
+    for kv in ("int8", "int4"):
+        if _rank(kv) < _rank(kv_dtype):
+            n = tokens_for(kv)
+            if n >= length:
+                out.append(f"--kv-cache-dtype {kv} ({n:,} tokens)")
+    for t_ in (512, 256):
+        if t_ < t and tokens_for(kv_dtype, t_=t_) >= length:
+            out.append(f"--max-num-batched-tokens {t_}")
+            break
+    for b_ in (16, 4):
+        if b_ < b and tokens_for(kv_dtype, b_=b_) >= length:
+            out.append(f"--max-batch-size {b_}")
+            break
+    n = tokens_for(kv_dtype, length_=min(length, 4096))
+    if 0 < n < length:
+        out.append(f"--session-len {n // block_size * block_size if n >= block_size else n}")
+    return out
+
+
+def _rank(kv: str) -> int:
+    return {"int4": 0, "int8": 1}.get(kv, 2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+def weight_choice(path, raw_config: dict, lm_head_int8: bool, bits: int | None = None,
+                  group_size: int | None = None) -> WeightChoice:
+    """How a checkpoint's linears are stored (its ``quantization_config`` and, when weight files are present, the
+    dtype of its scales from the headers); ``bits``/``group_size`` override (a 16-bit checkpoint planned as it
+    would be after ``lite``). Raises ``LiteturboError`` for a quantization config liteturbo cannot load."""
+    from lite.formats import LazyStateDict, quantization_spec
+    from lite.formats.checkpoint import weight_files
+
+    qspec = quantization_spec(raw_config)
+    qc = raw_config.get("quantization_config") or {}
+    act = bool(qc.get("desc_act"))
+    for g in (qc.get("config_groups") or {}).values():
+        act = act or (g.get("weights") or {}).get("actorder") in ("group", "weight", "static", True)
+    scales_dtype = torch.float16
+    if qspec is not None and path is not None and weight_files(path) and all(f.is_file() for f in weight_files(path)):
+        sd = LazyStateDict(path)
+        for k in sd:
+            if k.endswith(".scales") or k.endswith(".weight_scale"):
+                scales_dtype = sd.dtype(k)
+                break
+    if bits is None:
+        bits = qspec.bits if qspec else 16
+    if group_size is None:
+        group_size = qspec.group_size if qspec else 128
+    if bits >= 16:
+        return WeightChoice(16, -1, False, scales_dtype, lm_head_int8)
+    return WeightChoice(bits, group_size, act and qspec is not None, scales_dtype, lm_head_int8)
