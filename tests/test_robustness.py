@@ -345,7 +345,7 @@ def test_misc_misuse(engine, smollm2_rtn_g64, tmp_path):
         engine.session().chat("Hi \udcff there")
     assert engine.generate("Hello", priority=1, max_new_tokens=2, ignore_eos=True).token_ids
     with pytest.warns(UserWarning, match="capped"):
-        Engine(smollm2_rtn_g64, EngineConfig(max_kv_tokens=256, session_len=100000))
+        Engine(smollm2_rtn_g64, EngineConfig(max_kv_tokens=8192, session_len=100000))
     d = tmp_path / "layers"
     shutil.copytree(smollm2_rtn_g64, d)
     cfg = json.loads((d / "config.json").read_text())

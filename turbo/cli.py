@@ -330,7 +330,11 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
               help="Comma-separated Bearer tokens; /v1 requests without one of them get 401.")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--max-batch-size", default=64, show_default=True, type=int, help="Sequences run together at most.")
+@click.option("--max-num-batched-tokens", default=1024, show_default=True, type=int,
+              help="Tokens computed per step (prompts are prefilled in chunks of this size).")
 @click.option("--session-len", default=None, type=int, help="Longest sequence (prompt + reply) in tokens.")
+@click.option("--max-kv-tokens", default=None, type=int,
+              help="KV pool size in tokens (default: 90%% of the memory left on a GPU/NPU, 16384 on a CPU).")
 @click.option("--kv-cache-gib", default=None, type=float, help="KV pool size in GiB.")
 @click.option("--cache-max-entry-count", default=None, type=float,
               help="KV pool as a fraction of the memory left after the weights (0-1].")
@@ -347,7 +351,8 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
 @_device_options
 @_kv_options
 @friendly_errors
-def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, session_len, kv_cache_gib,
+def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_num_batched_tokens, session_len,
+          max_kv_tokens, kv_cache_gib,
           cache_max_entry_count, max_request_bytes, log_level, session_dir, max_sessions, session_idle_timeout,
           device, backend, kv_cache_dtype, quant_policy, no_kv_calibration) -> None:
     """Serve MODEL over HTTP: OpenAI-compatible /v1/chat/completions and /v1/completions (streaming or not) and
@@ -363,9 +368,82 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, sessio
     run(model, host=host, port=port, model_name=model_name, api_keys=api_keys or "",
         max_request_bytes=max_request_bytes, log_level=log_level, session_dir=session_dir, max_sessions=max_sessions,
         session_idle_timeout=session_idle_timeout, dtype=dtype, device=device, backend=backend,
-        max_batch_size=max_batch_size, session_len=session_len, kv_cache_gib=kv_cache_gib,
+        max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, session_len=session_len,
+        max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,
         cache_max_entry_count=cache_max_entry_count, kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
         kv_calibration=not no_kv_calibration)
+
+
+@main.command()
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@click.option("--gpu-mem", default=None,
+              help="Plan for a device with this much memory (24GiB, 24GB, 24000MiB; a bare number is GiB). Default: "
+                   "the memory free on --device now.")
+@click.option("--device", default=None,
+              help="cpu, cuda, rocm or npu (default: cuda with --gpu-mem, else this machine's auto device).")
+@click.option("--backend", default="auto", show_default=True, help="auto, torch, triton or ascend.")
+@click.option("--dtype", default="auto", show_default=True, help="Compute dtype: auto, bfloat16, float16, float32.")
+@click.option("--w-bits", default=None, type=click.Choice(["4", "8", "16"]),
+              help="Weight bits (default: the checkpoint's; 4 for a 16-bit model, as after `liteturbo lite`).")
+@click.option("--w-group-size", default=None, type=int, help="Group size (default: the checkpoint's, else 128).")
+@click.option("--kv-cache-dtype", default="auto", show_default=True,
+              help="auto (the compute dtype), bf16, fp16, fp32, int8, int4.")
+@click.option("--session-len", default=None, type=int,
+              help="Tokens of one session (default: the model's max_position_embeddings).")
+@click.option("--max-batch-size", default=64, show_default=True, type=int)
+@click.option("--max-num-batched-tokens", default=1024, show_default=True, type=int)
+@click.option("--block-size", default=64, show_default=True, type=int)
+@click.option("--quant-method", default="awq", show_default=True, type=click.Choice(["awq", "gptq", "rtn"]),
+              help="Method whose peak memory the quantization line reports.")
+@click.option("--calib-samples", default=128, show_default=True, type=int)
+@click.option("--calib-seqlen", default=512, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object (with a boolean `fits`).")
+@friendly_errors
+def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_dtype, session_len, max_batch_size,
+         max_num_batched_tokens, block_size, quant_method, calib_samples, calib_seqlen, as_json) -> None:
+    """Will MODEL fit, with how much context and how many sessions? MODEL: a checkpoint folder (16-bit or
+    quantized), a folder with only config.json, or a config.json file; nothing is loaded. Prints weights by part,
+    workspace, KV bytes per token, pool tokens, sessions at once, whether it fits, the options to serve it, and
+    whether `liteturbo lite` can quantize it there (docs/deploy-24gb.md)."""
+    import json as _json
+
+    from turbo import planner
+
+    p, quantize_first = planner.plan_checkpoint(
+        model, gpu_mem=gpu_mem, device=device, backend=backend, dtype=dtype,
+        w_bits=None if w_bits is None else int(w_bits), w_group_size=w_group_size, kv_cache_dtype=kv_cache_dtype,
+        session_len=session_len, max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size)
+    if quantize_first:  # the lite side: can this device run the layer-by-layer pipeline for it?
+        from lite.memory import quantize_peak
+
+        try:
+            q = quantize_peak(p.raw_config, quant_method, calib_samples, calib_seqlen)
+        except ValueError as e:
+            raise LiteturboError(str(e)) from None
+        room = p.budget - p.reserve
+        advice = ""
+        if q.peak > room and quant_method != "rtn":
+            n = calib_samples
+            while n > 8 and quantize_peak(p.raw_config, quant_method, n, calib_seqlen).peak > room:
+                n //= 2
+            if quantize_peak(p.raw_config, quant_method, n, calib_seqlen).peak <= room:
+                advice = f"--calib-samples {n} fits"
+            else:
+                advice = "quantize on the CPU (--device cpu) where RAM allows"
+        p.quantization = {"method": quant_method, "calib_samples": calib_samples, "calib_seqlen": calib_seqlen,
+                          "device": p.device, "peak": q.peak, "phase": q.phase, "parts": q.parts,
+                          "fits": q.peak <= room, "advice": advice}
+    if as_json:
+        click.echo(_json.dumps(p.to_dict(), indent=2))
+        return
+    click.echo(p.table())
+    if quantize_first:
+        flag = "" if p.group_size == 128 else f" --w-group-size {p.group_size}"
+        click.echo(f"commands: liteturbo lite auto-awq {model}{flag} --work-dir ./{p.model}-awq\n"
+                   f"          {p.serve_command(f'./{p.model}-awq')}")
+    else:
+        click.echo(f"command: {p.serve_command(model)}")
 
 
 def env_report(device: str = "auto") -> dict:

@@ -278,8 +278,9 @@ class Engine:
                 f"workspace {planner.gib(ws)} (max_num_batched_tokens={c.max_num_batched_tokens}, "
                 f"max_batch_size={c.max_batch_size}), but only {planner.gib(free)} of {self.platform.kind} memory is "
                 f"free (the rest is in use): {planner.gib(weights + ws - free)} short, before any KV cache. "
-                f"Quantize it to 4 bits (liteturbo lite auto-awq), lower max_num_batched_tokens, free memory, or use "
-                f"a larger device; `liteturbo plan {self.path}` shows the accounting")
+                + ("Quantize it to 4 bits (liteturbo lite auto-awq), " if wc.bits > 4 else "")
+                + f"lower max_num_batched_tokens / max_batch_size / session_len, free memory, or use a larger "
+                  f"device; `liteturbo plan {self.path}` shows the accounting")
 
     def _pool_blocks(self, raw_cfg: dict, lm_int8: bool) -> int:
         """KV blocks to allocate (see :mod:`turbo.planner`: ``free − workspace`` after the weights are loaded,

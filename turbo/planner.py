@@ -230,6 +230,7 @@ class Plan:
     engine_options: dict = field(default_factory=dict)
     suggestions: list[str] = field(default_factory=list)
     quantization: dict | None = None
+    raw_config: dict = field(default_factory=dict, repr=False)
 
     @property
     def weights_total(self) -> int:
@@ -241,6 +242,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("raw_config", None)
         d.update(weights_total=self.weights_total, workspace_total=self.workspace_total)
         return d
 
@@ -439,3 +441,94 @@ def weight_choice(path, raw_config: dict, lm_head_int8: bool, bits: int | None =
     if bits >= 16:
         return WeightChoice(16, -1, False, scales_dtype, lm_head_int8)
     return WeightChoice(bits, group_size, act and qspec is not None, scales_dtype, lm_head_int8)
+
+
+def _read_config(model: str):
+    """(name, folder or None, config dict) for a checkpoint folder, a folder with only config.json, a config.json
+    file, or a model name :func:`lite.formats.resolve_model` knows."""
+    import json
+    from pathlib import Path
+
+    from lite.formats import load_config, resolve_model
+
+    p = Path(model)
+    if p.is_file():
+        try:
+            cfg = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise LiteturboError(f"cannot read {p} as JSON ({e}); give a config.json or a checkpoint folder") from None
+        if not isinstance(cfg, dict):
+            raise LiteturboError(f"{p} is not a config.json (a JSON object); give a config.json or a checkpoint folder")
+        name = p.parent.name if p.name == "config.json" else p.stem
+        return name or p.stem, None, cfg
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise LiteturboError(f"{p} has no config.json; give a checkpoint folder or its config.json")
+        return p.resolve().name, p, load_config(p)
+    path = resolve_model(model)
+    return path.name, path, load_config(path)
+
+
+def plan_checkpoint(model: str, *, gpu_mem: str | None = None, device: str | None = None, backend: str = "auto",
+                    dtype: str = "auto", w_bits: int | None = None, w_group_size: int | None = None,
+                    kv_cache_dtype: str = "auto", session_len: int | None = None, max_batch_size: int = 64,
+                    max_num_batched_tokens: int = 1024, block_size: int = 64) -> tuple[Plan, bool]:
+    """:func:`plan` for ``liteturbo plan``: reads ``model`` (see :func:`_read_config`), resolves the device and
+    budget (``gpu_mem``, else the memory free on ``device`` now) and the options as the engine would. Returns the
+    plan (with ``raw_config`` attached) and whether the model must be quantized first (a 16-bit checkpoint planned
+    at fewer bits). Raises ``LiteturboError`` for bad input."""
+    from backends.platform import current_platform
+
+    from .config import _DTYPES, _KV_ALIASES, KV_CACHE_DTYPE_CHOICES
+    from .model import ModelConfig
+
+    name, folder, raw = _read_config(model)
+    cfg = ModelConfig.from_dict(raw)
+    for opt, v in (("--max-batch-size", max_batch_size), ("--max-num-batched-tokens", max_num_batched_tokens),
+                   ("--block-size", block_size)):
+        if v < 1:
+            raise LiteturboError(f"{opt} must be >= 1, got {v}")
+    if session_len is not None and session_len < 2:
+        raise LiteturboError(f"--session-len must be > 1, got {session_len}")
+    if w_group_size is not None and w_group_size != -1 and (w_group_size < 8 or cfg.hidden_size % w_group_size):
+        raise LiteturboError(f"--w-group-size {w_group_size} does not divide hidden_size={cfg.hidden_size}; use a "
+                             f"divisor of it (32, 64, 128) or -1")
+    kv = _KV_ALIASES.get(kv_cache_dtype.lower(), kv_cache_dtype.lower())
+    if kv not in KV_CACHE_DTYPE_CHOICES:
+        raise LiteturboError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got "
+                             f"{kv_cache_dtype!r}")
+    in_use = 0
+    if gpu_mem is not None:
+        kind = (device or "cuda").lower().split(":")[0]
+        if kind not in ("cpu", "cuda", "rocm", "npu"):
+            raise LiteturboError(f"--device must be cpu, cuda, rocm or npu, got {device!r}")
+        budget = parse_memory(gpu_mem)
+        source = f"--gpu-mem {gpu_mem}"
+        default_dtype = torch.bfloat16 if kind != "cpu" else current_platform("cpu").default_dtype()
+    else:
+        try:
+            plat = current_platform(device or "auto")
+        except ValueError as e:
+            raise LiteturboError(str(e)) from None
+        kind = plat.kind
+        budget = plat.free_memory()
+        source = f"free {plat.kind} memory now ({plat.name})"
+        default_dtype = plat.default_dtype()
+    if dtype == "auto":
+        tdtype = default_dtype
+    elif dtype in _DTYPES:
+        tdtype = _DTYPES[dtype]
+    else:
+        raise LiteturboError(f"--dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
+    quantized_ckpt = bool(raw.get("quantization_config"))
+    if quantized_ckpt and w_bits is not None and w_bits == 16:
+        raise LiteturboError("this checkpoint is already quantized; --w-bits 16 needs the 16-bit original")
+    lm_int8 = quantized_ckpt or (w_bits is not None and w_bits < 16) or w_bits is None
+    lm_int8 = lm_int8 and kind == "cpu" and tdtype != torch.float32
+    wc = weight_choice(folder, raw, lm_int8, bits=w_bits if w_bits is not None else (None if quantized_ckpt else 4),
+                       group_size=w_group_size)
+    p = plan(cfg, raw, model=name, device_kind=kind, budget=budget, budget_source=source, backend=backend,
+             dtype=tdtype, weights=wc, kv_cache_dtype=kv, session_len=session_len, max_batch_size=max_batch_size,
+             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, in_use=in_use)
+    p.raw_config = raw
+    return p, (not quantized_ckpt and wc.bits < 16)
