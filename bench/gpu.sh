@@ -33,7 +33,8 @@ step() {  # step NAME CMD...: run, tee to RES/NAME.log, count failures
 
 step env bash -c "nvidia-smi; $PY -m turbo.cli env"
 [ -n "${SKIP_TESTS:-}" ] || step tests $PY -m pytest -q -rfEs -p no:cacheprovider tests/test_triton_kernels.py \
-  tests/test_triton_engine.py tests/test_platform.py tests/test_kernels.py tests/test_sampler_batched.py -m "not slow"
+  tests/test_triton_engine.py tests/test_platform.py tests/test_kernels.py tests/test_sampler_batched.py \
+  tests/test_planner.py -m "not slow"
 step kernels bash -c "$PY bench/kernels.py --suite llama3 --device $DEVICE ${QUICK:+--quick} --json > '$RES/kernels.json' && \
   $PY -c 'import json,sys; sys.path.insert(0,\"bench\"); import kernels; r = json.load(open(\"$RES/kernels.json\"))[\"llama3\"]; kernels.print_llama3(r); kernels.print_elementwise(r)'"
 step model bash -c "[ -f '$MODEL/tokenizer.json' ] || { $PY bench/load_memory.py --make-llama3-8b '$MODEL' \

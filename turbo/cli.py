@@ -438,9 +438,19 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
         click.echo(_json.dumps(p.to_dict(), indent=2))
         return
     click.echo(p.table())
+    if not p.fits:
+        click.echo("commands: none as asked (it does not fit); rerun `liteturbo plan` with one of the options above"
+                   if p.suggestions else "commands: none (it does not fit)")
+        return
     if quantize_first:
+        from pathlib import Path
+
+        from lite.formats.checkpoint import weight_files
+
+        bare = Path(model).is_file() or (Path(model).is_dir() and not weight_files(Path(model)))
+        src = f"<16-bit {p.model} checkpoint>" if bare else model
         flag = "" if p.group_size == 128 else f" --w-group-size {p.group_size}"
-        click.echo(f"commands: liteturbo lite auto-awq {model}{flag} --work-dir ./{p.model}-awq\n"
+        click.echo(f"commands: liteturbo lite auto-awq {src}{flag} --work-dir ./{p.model}-awq\n"
                    f"          {p.serve_command(f'./{p.model}-awq')}")
     else:
         click.echo(f"command: {p.serve_command(model)}")

@@ -122,10 +122,11 @@ def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_
     * ``dequantized weight``: the largest quantized linear as a dense ``dtype`` weight plus its uint8 codes, when
       T reaches the backend's ``dequant_min_rows`` (never with ``batch_invariant``).
     * ``attention``: a backend without a paged kernel gathers contexts per layer (keys and values in ``dtype``; with
-      an int8/int4 cache also the codes and a float32 copy) and computes float32 scores: for a chunked prefill of T
-      tokens over C (math-path bound ``H x T x C``) or for decode over ``context_tokens`` (default ``B x C``; the
-      engine caps it by the pool); a paged kernel gathers only a whole prompt's own keys and values and keeps
-      float32 split-KV partials.
+      an int8/int4 cache also the codes and a float32 copy): for a chunked prefill of T tokens over C, with the
+      ``T x C`` mask (and, with ``batch_invariant``, float32 scores and probabilities ``H x T x C``: the matmul path;
+      otherwise SDPA's fused kernel keeps no scores), or for a decode batch over ``context_tokens`` (default
+      ``B x C``; the engine caps it by the pool) with its float32 scores; a paged kernel gathers only a whole
+      prompt's own keys and values and keeps float32 split-KV partials.
     * ``logits and sampling``: B rows of logits in ``dtype`` and float32, :data:`SAMPLING_BYTES_PER_LOGIT` per logit
       for sampling, and the int8 lm_head's dequantized tile.
     """
@@ -145,7 +146,7 @@ def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_
         attn = t * gather_per_token + b * nh * parts * (hd + 2) * 4
     else:
         ctx = b * c if context_tokens is None else min(context_tokens, b * c)
-        prefill = c * gather_per_token + nh * t * c * (4 + e)
+        prefill = c * gather_per_token + t * c + (nh * t * c * (8 + e) if batch_invariant else 0)
         decode = ctx * (gather_per_token + nh * (8 + e))
         attn = max(prefill, decode)
     rows = min(b, t)
