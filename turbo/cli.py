@@ -240,6 +240,8 @@ def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bit
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--session-len", default=None, type=int, help="Longest conversation in tokens.")
+@click.option("--max-kv-tokens", default=None, type=int,
+              help="KV pool size in tokens (default: 90%% of the memory left on a GPU/NPU, 16384 on a CPU).")
 @click.option("--kv-cache-gib", default=None, type=float, help="KV pool size in GiB.")
 @click.option("--cache-max-entry-count", default=None, type=float,
               help="KV pool as a fraction of the memory left after the weights (0-1].")
@@ -249,7 +251,8 @@ def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bit
 @_device_options
 @_kv_options
 @friendly_errors
-def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, session_len, kv_cache_gib,
+def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, session_len, max_kv_tokens,
+         kv_cache_gib,
          cache_max_entry_count, url, api_key, device, backend, kv_cache_dtype, quant_policy,
          no_kv_calibration) -> None:
     """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too. With --url, chat
@@ -266,7 +269,7 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
                    err=True)
     else:
         engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, session_len=session_len,
-                                            kv_cache_gib=kv_cache_gib, cache_max_entry_count=cache_max_entry_count,
+                                            max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib, cache_max_entry_count=cache_max_entry_count,
                                             kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
                                             kv_calibration=not no_kv_calibration))
         session = engine.session(system)

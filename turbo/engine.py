@@ -6,7 +6,9 @@ as one flat batch through the :class:`ModelRunner` (which owns the weights and t
 computed (:mod:`turbo.sampler`, batched on the logits' device) and releases their text (:mod:`turbo.detokenizer`).
 Everything else is built on ``add_request`` + ``step``: input processing in :mod:`turbo.inputs`, stateful chat
 sessions in :mod:`turbo.session`, the background loop for servers in :mod:`turbo.loop`, typed errors in
-:mod:`turbo.errors`.
+:mod:`turbo.errors`. Start-up sizes the KV pool with the memory accounting of :mod:`turbo.planner` (weights checked
+against free memory before any is read, then the pool from what is free after loading, less a step's workspace)
+and refuses what cannot fit with the shortfall.
 """
 from __future__ import annotations
 
