@@ -224,7 +224,7 @@ def test_memory_already_in_use_is_accounted(smollm2_rtn_g64, monkeypatch):
 def test_pool_that_cannot_fit_is_refused_with_the_shortfall(smollm2_rtn_g64, monkeypatch):
     _fake_free(monkeypatch, 600 * 2**20)
     with pytest.raises(LiteturboError, match=r"max_kv_tokens=200000 asks for a KV cache of .* GiB short\. To fit: "
-                                             r"max_kv_tokens=\d+ \(the most that fits\).*kv_cache_dtype='int8'"):
+                                             r"max_kv_tokens=\d+ \(--max-kv-tokens \d+: the most that fits\).*kv_cache_dtype='int8'"):
         Engine(smollm2_rtn_g64, EngineConfig(max_kv_tokens=200000, session_len=2048))
     _fake_free(monkeypatch, 2 * 2**30)
     with pytest.raises(LiteturboError, match=r"session_len=8192 needs 8192 tokens of KV cache but the pool "
@@ -332,7 +332,13 @@ def test_plan_of_a_quantized_checkpoint_matches_the_engine(smollm2_rtn_g64):
     (["--gpu-mem", "0"], "must be positive"),
     (["--gpu-mem", "24GiB", "--device", "tpu"], "--device must be cpu, cuda, rocm or npu"),
     (["--kv-cache-dtype", "int2"], "--kv-cache-dtype must be one of"),
-    (["--w-group-size", "100"], "does not divide hidden_size"),
+    (["--w-group-size", "100"], "does not divide the input width of every linear (4096, 14336); use 32, 64, 128, "
+                                "256 or -1"),
+    (["--w-group-size", "4096"], "does not divide the input width"),  # 14336 % 4096 != 0
+    (["--gpu-mem", "24GiB", "--device", "cpu", "--backend", "triton"], "the triton backend runs on cuda or rocm"),
+    (["--gpu-mem", "24GiB", "--backend", "ascend"], "the ascend backend runs on npu"),
+    (["--calib-samples", "0"], "--calib-samples and --calib-seqlen must be >= 1"),
+    (["--dtype", "float8"], "--dtype must be auto, bfloat16 (bf16), float16 (fp16, half) or float32"),
     (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
     (["--session-len", "1"], "--session-len must be > 1"),
 ])
@@ -355,9 +361,104 @@ def test_plan_bad_model_inputs(tmp_path):
 
 
 @pytest.mark.parametrize("text, value", [("24GiB", 24 * 2**30), ("24 GB", 24 * 10**9), ("24000MiB", 24000 * 2**20),
-                                         ("24", 24 * 2**30), ("1.5g", int(1.5 * 2**30)), (8, 8 * 2**30)])
+                                         ("24", 24 * 2**30), ("1.5g", int(1.5 * 2**30)), (8, 8 * 2**30),
+                                         ("24Gi", 24 * 2**30), ("512M", 512 * 2**20), ("1e1", 10 * 2**30)])
 def test_parse_memory(text, value):
     assert planner.parse_memory(text) == value
+
+
+@pytest.mark.parametrize("text", ["-5", "0", "inf", "nan", "lots", "24 XB", float("inf")])
+def test_parse_memory_refuses(text):
+    with pytest.raises(LiteturboError, match="memory size"):
+        planner.parse_memory(text)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_attention_heads", 0, "'num_attention_heads' must be a positive integer"),
+    ("max_position_embeddings", 0, "'max_position_embeddings' must be a positive integer"),
+    ("hidden_size", None, "lacks the field 'hidden_size'"),
+    ("hidden_size", [4096], "'hidden_size' must be a positive integer"),
+    ("hidden_size", 4096.5, "'hidden_size' must be a positive integer"),
+    ("num_hidden_layers", True, "'num_hidden_layers' must be a positive integer"),
+    ("intermediate_size", -5, "'intermediate_size' must be a positive integer"),
+    ("vocab_size", 0, "'vocab_size' must be a positive integer"),
+    ("num_key_value_heads", 64, "not a multiple of num_key_value_heads=64"),
+    ("rope_scaling", "yes", "rope_scaling must be an object or null"),
+    ("rms_norm_eps", -1, "'rms_norm_eps' must be a positive number"),
+    ("quantization_config", {"quant_method": "awq", "bits": 4, "group_size": -7}, "group_size=-7"),
+])
+def test_malformed_configs_are_named(tmp_path, field, value, message):
+    cfg = json.loads((FIXTURES / "llama-3-8b.json").read_text())
+    cfg[field] = value
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["plan", str(tmp_path), "--gpu-mem", "24"])
+    assert r.exit_code != 0 and message in r.output and "Traceback" not in r.output, r.output
+    f.write_bytes(b"\xff\xfe{")
+    r = CliRunner().invoke(main, ["plan", str(tmp_path)])
+    assert r.exit_code != 0 and "not UTF-8" in r.output, r.output
+
+
+@pytest.mark.parametrize("args", [
+    ["qwen2.5-32b", "--gpu-mem", "24GiB"], ["qwen2.5-32b", "--gpu-mem", "24GiB", "--kv-cache-dtype", "int8"],
+    ["qwen2.5-14b", "--gpu-mem", "12GiB", "--kv-cache-dtype", "int8"], ["qwen2.5-7b", "--gpu-mem", "12GiB",
+                                                                          "--w-bits", "16"],
+    ["qwen2.5-7b", "--device", "cpu", "--gpu-mem", "24GiB"], ["llama-3-8b", "--gpu-mem", "6"],
+    ["qwen2.5-32b", "--gpu-mem", "24GiB", "--dtype", "float32"], ["llama-3-70b", "--gpu-mem", "38GiB"],
+])
+def test_every_suggestion_fits_when_applied(args):
+    """Each "to fit" option, applied alone, gives a plan that fits (the flag is parsed back from the text)."""
+    name, *rest = args
+    d = _plan_json(str(FIXTURES / f"{name}.json"), *rest)
+    assert not d["fits"] and d["suggestions"], d
+    for sug in d["suggestions"]:
+        if sug.startswith("a device with "):
+            size = sug.split()[3]
+            base = [a for i, a in enumerate(rest) if a != "--gpu-mem" and (i == 0 or rest[i - 1] != "--gpu-mem")]
+            extra = ["--gpu-mem", f"{size}GiB"] + base
+        elif sug.startswith("4-bit"):
+            extra = [a for i, a in enumerate(rest) if a != "--w-bits" and (i == 0 or rest[i - 1] != "--w-bits")]
+        else:
+            flag, value = sug.split()[:2]
+            extra = [a for i, a in enumerate(rest) if a != flag and (i == 0 or rest[i - 1] != flag)] + [flag, value]
+        again = _plan_json(str(FIXTURES / f"{name}.json"), *extra)
+        assert again["fits"], (sug, again["reason"])
+
+
+def test_cpu_plan_sizes_the_gather_workspace_by_the_pool(smollm2_rtn_g64, monkeypatch):
+    """A CPU pool of 16,384 tokens never gathers more than that: 1 GiB is enough for SmolLM2 (it was refused when
+    the workspace assumed 64 rows x 8,192 tokens), and the engine agrees."""
+    d = _plan_json(str(smollm2_rtn_g64), "--device", "cpu", "--gpu-mem", "1.0")
+    assert d["fits"] and d["workspace_total"] < 0.2 * 2**30, d
+    _fake_free(monkeypatch, 0.81 * 2**30)
+    e = Engine(smollm2_rtn_g64, EngineConfig(max_kv_tokens=16384))
+    assert e.block_manager.num_blocks == 256
+
+
+def test_conflicting_or_degenerate_pool_options_are_refused(smollm2_rtn_g64):
+    with pytest.raises(LiteturboError, match="give one KV pool size, not kv_cache_gib=1.0 and max_kv_tokens=1000"):
+        EngineConfig(max_kv_tokens=1000, kv_cache_gib=1.0)
+    with pytest.raises(LiteturboError, match="kv_cache_gib must be a positive, finite number"):
+        EngineConfig(kv_cache_gib=float("inf"))
+    with pytest.raises(LiteturboError, match=r"kv_cache_gib=1e-09 is less than one KV block"):
+        Engine(smollm2_rtn_g64, EngineConfig(kv_cache_gib=1e-9))
+
+
+def test_plan_commands_follow_the_options(smollm2_rtn_g64):
+    r = CliRunner().invoke(main, ["plan", "smollm2-135m-instruct", "--gpu-mem", "24GiB", "--quant-method", "gptq"])
+    assert r.exit_code == 0, r.output
+    assert "W4A16 g64" in r.output  # 576 is not a multiple of 128: the largest group size that divides it
+    assert "liteturbo lite gptq smollm2-135m-instruct --w-group-size 64 --work-dir ./smollm2-135m-instruct-gptq" in r.output
+    r = CliRunner().invoke(main, ["plan", str(smollm2_rtn_g64), "--w-bits", "4"])
+    assert r.exit_code != 0 and "already quantized" in r.output
+    r = CliRunner().invoke(main, ["plan", str(FIXTURES / "llama-3-8b.json"), "--gpu-mem", "24", "--w-bits", "16",
+                                  "--dtype", "half", "--backend", "torch", "--block-size", "32"])
+    assert r.exit_code == 0, r.output
+    assert ("liteturbo serve <16-bit llama-3-8b checkpoint> --kv-cache-dtype float16 --session-len 8192" in r.output
+            and "--dtype float16 --backend torch --block-size 32 --device cuda" in r.output)
+    r = CliRunner().invoke(main, ["plan", str(FIXTURES / "llama-3-8b.json"), "--gpu-mem", "24", "--session-len",
+                                  "100000"])
+    assert "note: --session-len 100000 is capped to the model's max_position_embeddings (8192)" in r.output
 
 
 # --- the lite side ----------------------------------------------------------------------------------------------------

@@ -241,7 +241,7 @@ def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bit
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--session-len", default=None, type=int, help="Longest conversation in tokens.")
 @click.option("--max-kv-tokens", default=None, type=int,
-              help="KV pool size in tokens (default: 90%% of the memory left on a GPU/NPU, 16384 on a CPU).")
+              help="KV pool size in tokens (default: 90% of the memory left on a GPU/NPU, 16384 on a CPU).")
 @click.option("--kv-cache-gib", default=None, type=float, help="KV pool size in GiB.")
 @click.option("--cache-max-entry-count", default=None, type=float,
               help="KV pool as a fraction of the memory left after the weights (0-1].")
@@ -335,9 +335,10 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
 @click.option("--max-batch-size", default=64, show_default=True, type=int, help="Sequences run together at most.")
 @click.option("--max-num-batched-tokens", default=1024, show_default=True, type=int,
               help="Tokens computed per step (prompts are prefilled in chunks of this size).")
+@click.option("--block-size", default=64, show_default=True, type=int, help="Tokens per KV cache block.")
 @click.option("--session-len", default=None, type=int, help="Longest sequence (prompt + reply) in tokens.")
 @click.option("--max-kv-tokens", default=None, type=int,
-              help="KV pool size in tokens (default: 90%% of the memory left on a GPU/NPU, 16384 on a CPU).")
+              help="KV pool size in tokens (default: 90% of the memory left on a GPU/NPU, 16384 on a CPU).")
 @click.option("--kv-cache-gib", default=None, type=float, help="KV pool size in GiB.")
 @click.option("--cache-max-entry-count", default=None, type=float,
               help="KV pool as a fraction of the memory left after the weights (0-1].")
@@ -354,7 +355,8 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
 @_device_options
 @_kv_options
 @friendly_errors
-def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_num_batched_tokens, session_len,
+def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_num_batched_tokens, block_size,
+          session_len,
           max_kv_tokens, kv_cache_gib,
           cache_max_entry_count, max_request_bytes, log_level, session_dir, max_sessions, session_idle_timeout,
           device, backend, kv_cache_dtype, quant_policy, no_kv_calibration) -> None:
@@ -371,7 +373,8 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_nu
     run(model, host=host, port=port, model_name=model_name, api_keys=api_keys or "",
         max_request_bytes=max_request_bytes, log_level=log_level, session_dir=session_dir, max_sessions=max_sessions,
         session_idle_timeout=session_idle_timeout, dtype=dtype, device=device, backend=backend,
-        max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, session_len=session_len,
+        max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+        session_len=session_len,
         max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,
         cache_max_entry_count=cache_max_entry_count, kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
         kv_calibration=not no_kv_calibration)
@@ -396,6 +399,8 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_nu
 @click.option("--max-batch-size", default=64, show_default=True, type=int)
 @click.option("--max-num-batched-tokens", default=1024, show_default=True, type=int)
 @click.option("--block-size", default=64, show_default=True, type=int)
+@click.option("--max-kv-tokens", default=None, type=int,
+              help="KV pool in tokens (CPUs; default 16384). GPUs/NPUs take 90% of what is left.")
 @click.option("--quant-method", default="awq", show_default=True, type=click.Choice(["awq", "gptq", "rtn"]),
               help="Method whose peak memory the quantization line reports.")
 @click.option("--calib-samples", default=128, show_default=True, type=int)
@@ -403,7 +408,8 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_nu
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object (with a boolean `fits`).")
 @friendly_errors
 def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_dtype, session_len, max_batch_size,
-         max_num_batched_tokens, block_size, quant_method, calib_samples, calib_seqlen, as_json) -> None:
+         max_num_batched_tokens, block_size, max_kv_tokens, quant_method, calib_samples, calib_seqlen,
+         as_json) -> None:
     """Will MODEL fit, with how much context and how many sessions? MODEL: a checkpoint folder (16-bit or
     quantized), a folder with only config.json, or a config.json file; nothing is loaded. Prints weights by part,
     workspace, KV bytes per token, pool tokens, sessions at once, whether it fits, the options to serve it, and
@@ -412,11 +418,13 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
 
     from turbo import planner
 
+    if calib_samples < 1 or calib_seqlen < 1:
+        raise LiteturboError(f"--calib-samples and --calib-seqlen must be >= 1, got {calib_samples} and {calib_seqlen}")
     p, quantize_first = planner.plan_checkpoint(
         model, gpu_mem=gpu_mem, device=device, backend=backend, dtype=dtype,
         w_bits=None if w_bits is None else int(w_bits), w_group_size=w_group_size, kv_cache_dtype=kv_cache_dtype,
         session_len=session_len, max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
-        block_size=block_size)
+        block_size=block_size, max_kv_tokens=max_kv_tokens)
     if quantize_first:  # the lite side: can this device run the layer-by-layer pipeline for it?
         from lite.memory import quantize_peak
 
@@ -425,6 +433,8 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
         except ValueError as e:
             raise LiteturboError(str(e)) from None
         room = p.budget - p.reserve
+        if quant_method == "rtn":
+            calib_samples = calib_seqlen = 0
         advice = ""
         if q.peak > room and quant_method != "rtn":
             n = calib_samples
@@ -436,7 +446,7 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
                 advice = "quantize on the CPU (--device cpu) where RAM allows"
         p.quantization = {"method": quant_method, "calib_samples": calib_samples, "calib_seqlen": calib_seqlen,
                           "device": p.device, "peak": q.peak, "phase": q.phase, "parts": q.parts,
-                          "fits": q.peak <= room, "advice": advice}
+                          "room": room, "fits": q.peak <= room, "advice": advice}
     if as_json:
         click.echo(_json.dumps(p.to_dict(), indent=2))
         return
@@ -445,18 +455,23 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
         click.echo("commands: none as asked (it does not fit); rerun `liteturbo plan` with one of the options above"
                    if p.suggestions else "commands: none (it does not fit)")
         return
+    if p.weight_bits == 8:
+        click.echo("commands: none (liteturbo writes and loads 4-bit checkpoints; W8A16 is shown for comparison)")
+        return
+    from pathlib import Path
+
+    from lite.formats.checkpoint import weight_files
+
+    bare = Path(model).is_file() or (Path(model).is_dir() and not weight_files(Path(model)))
+    src = f"<16-bit {p.model} checkpoint>" if bare else model
     if quantize_first:
-        from pathlib import Path
-
-        from lite.formats.checkpoint import weight_files
-
-        bare = Path(model).is_file() or (Path(model).is_dir() and not weight_files(Path(model)))
-        src = f"<16-bit {p.model} checkpoint>" if bare else model
+        sub = {"awq": "auto-awq", "gptq": "gptq", "rtn": "rtn"}[quant_method]
         flag = "" if p.group_size == 128 else f" --w-group-size {p.group_size}"
-        click.echo(f"commands: liteturbo lite auto-awq {src}{flag} --work-dir ./{p.model}-awq\n"
-                   f"          {p.serve_command(f'./{p.model}-awq')}")
+        out = f"./{p.model}-{quant_method}"
+        click.echo(f"commands: liteturbo lite {sub} {src}{flag} --work-dir {out}\n"
+                   f"          {p.serve_command(out)}")
     else:
-        click.echo(f"command: {p.serve_command(model)}")
+        click.echo(f"command: {p.serve_command(src)}")
 
 
 def env_report(device: str = "auto") -> dict:

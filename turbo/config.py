@@ -49,7 +49,7 @@ class EngineConfig:
     CPU), ``"cpu"``, ``"cuda[:N]"``, ``"npu[:N]"``; resolved by :func:`backends.platform.current_platform`. dtype:
     compute dtype, ``"auto"`` = the platform's default (bfloat16 where native, else float16 on accelerators and
     float32 on CPUs).
-    block_size: tokens per KV block. KV pool size (accounting in :mod:`turbo.planner`), first that is set wins:
+    block_size: tokens per KV block. KV pool size (accounting in :mod:`turbo.planner`), at most one of:
     ``num_blocks``; ``kv_cache_gib`` (absolute); ``cache_max_entry_count`` (fraction of the memory left after the
     weights and a step's workspace: free GPU/NPU memory, or available RAM on CPU, as LMDeploy's option);
     ``max_kv_tokens`` (rounded up to whole blocks); none set: 0.9 of that memory on GPUs/NPUs, 16,384 tokens on
@@ -124,8 +124,13 @@ class EngineConfig:
             raise LiteturboError(f"max_kv_tokens must be positive, got {self.max_kv_tokens}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise LiteturboError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise LiteturboError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.kv_cache_gib is not None and not (0 < self.kv_cache_gib < math.inf):
+            raise LiteturboError(f"kv_cache_gib must be a positive, finite number of GiB, got {self.kv_cache_gib}")
+        pool = [f"{n}={getattr(self, n)}" for n in ("num_blocks", "kv_cache_gib", "cache_max_entry_count",
+                                                     "max_kv_tokens") if getattr(self, n) is not None]
+        if len(pool) > 1:
+            raise LiteturboError(f"give one KV pool size, not {' and '.join(pool)} (num_blocks, kv_cache_gib, "
+                                 f"cache_max_entry_count and max_kv_tokens each size the whole pool)")
         if self.cache_max_entry_count is not None and not 0 < self.cache_max_entry_count <= 1:
             raise LiteturboError(f"cache_max_entry_count must be in (0, 1], got {self.cache_max_entry_count}")
         if self.lm_head not in ("auto", "int8", "16bit"):

@@ -296,18 +296,19 @@ class Engine:
         free = self._free_memory()
         accel = self.platform.kind != "cpu"
 
-        def size(ws_total: int):
-            return planner.size_pool(free, ws_total, block_bytes, bs, num_blocks=cfg.num_blocks,
-                                     kv_cache_gib=cfg.kv_cache_gib, cache_max_entry_count=cfg.cache_max_entry_count,
-                                     max_kv_tokens=cfg.max_kv_tokens, accelerator=accel)
-
-        ws = self._workspace(mcfg, wc.bits < 16, lm_int8)
-        pool = size(sum(ws.values()))
-        if not type(self.backend).paged_attention and pool.blocks:  # decode gathers at most the pool's tokens
-            ws = self._workspace(mcfg, wc.bits < 16, lm_int8, context_tokens=pool.blocks * bs)
-            pool = size(sum(ws.values()))
+        paged = type(self.backend).paged_attention
+        length = min(cfg.session_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        pool, ws = planner.size_pool(
+            free, lambda ctx: self._workspace(mcfg, wc.bits < 16, lm_int8, context_tokens=ctx), block_bytes, bs,
+            num_blocks=cfg.num_blocks, kv_cache_gib=cfg.kv_cache_gib, cache_max_entry_count=cfg.cache_max_entry_count,
+            max_kv_tokens=cfg.max_kv_tokens, accelerator=accel,
+            context_cap=None if paged else cfg.max_batch_size * length)
         self.workspace_bytes = sum(ws.values())
         fitting_tokens = int(pool.available // block_bytes) * bs
+        if pool.asked < block_bytes and pool.what.split("=")[0] in ("kv_cache_gib", "cache_max_entry_count") \
+                and pool.available >= block_bytes:
+            raise LiteturboError(f"{pool.what} is less than one KV block ({block_bytes} bytes of {bs} tokens); give "
+                                 f"at least {block_bytes / 2**30:.6f} GiB, or use max_kv_tokens (--max-kv-tokens)")
         if pool.blocks < 1:
             raise LiteturboError(
                 f"{pool.what} asks for a KV cache of {planner.gib(max(pool.asked, block_bytes))} but only "
@@ -330,15 +331,17 @@ class Engine:
         cfg = self.config
         hints = []
         if session:
-            hints.append("a smaller session_len, or a larger pool (max_kv_tokens / kv_cache_gib / "
-                         "cache_max_entry_count)")
+            hints.append("a smaller session_len (--session-len), or a larger pool (max_kv_tokens / kv_cache_gib / "
+                         "cache_max_entry_count; --max-kv-tokens, --kv-cache-gib, --cache-max-entry-count)")
         elif fitting_tokens >= cfg.block_size:
-            hints.append(f"max_kv_tokens={fitting_tokens} (the most that fits), or cache_max_entry_count=0.9")
+            hints.append(f"max_kv_tokens={fitting_tokens} (--max-kv-tokens {fitting_tokens}: the most that fits), or "
+                         f"cache_max_entry_count=0.9")
         if self.kv_cache_dtype not in ("int8", "int4"):
-            hints.append("kv_cache_dtype='int8' (about half the bytes per token) or 'int4'")
+            hints.append("kv_cache_dtype='int8' (--kv-cache-dtype int8: about half the bytes per token) or 'int4'")
         elif self.kv_cache_dtype == "int8":
-            hints.append("kv_cache_dtype='int4'")
-        hints.append("a smaller max_num_batched_tokens or max_batch_size (less workspace)")
+            hints.append("kv_cache_dtype='int4' (--kv-cache-dtype int4)")
+        if not session:
+            hints.append("a smaller max_num_batched_tokens or max_batch_size (less workspace)")
         return "; ".join(hints) + f" (`liteturbo plan {self.path}` shows the accounting)"
 
     def _free_memory(self) -> int:

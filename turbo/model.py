@@ -49,22 +49,32 @@ class ModelConfig:
         if act not in ("silu", "swish"):
             raise LiteturboError(f"hidden_act={act!r} is not supported (only silu)")
         try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
+            heads = _positive(cfg, "num_attention_heads")
+            hidden = _positive(cfg, "hidden_size")
+            kv_heads = _positive(cfg, "num_key_value_heads", heads)
+            if heads % kv_heads:
+                raise LiteturboError(f"config.json: num_attention_heads={heads} is not a multiple of "
+                                     f"num_key_value_heads={kv_heads}")
+            if cfg.get("head_dim") is None and hidden % heads:
+                raise LiteturboError(f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads="
+                                     f"{heads} and no head_dim is given")
+            head_dim = _positive(cfg, "head_dim", hidden // heads)
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+            if not isinstance(rope, dict):
+                raise LiteturboError(f"config.json: rope_scaling must be an object or null, got {rope!r}")
+            theta = _positive_number(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0, "rope_theta")
             rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
             if rope_type not in ("default", "llama3", "linear"):
                 raise LiteturboError(f"rope_type={rope_type!r} is not supported (default, linear, llama3)")
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
             return cls(
-                model_type=cfg["model_type"], vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                model_type=cfg["model_type"], vocab_size=_positive(cfg, "vocab_size"), hidden_size=hidden,
+                intermediate_size=_positive(cfg, "intermediate_size"), num_layers=_positive(cfg, "num_hidden_layers"),
+                num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                rms_norm_eps=_positive_number(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
                 rope_theta=theta, rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                max_position_embeddings=_positive(cfg, "max_position_embeddings", 4096),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 qkv_bias=spec.flag(spec.qkv_bias, cfg), o_bias=spec.flag(spec.o_bias, cfg),
                 mlp_bias=spec.flag(spec.mlp_bias, cfg), qk_norm=spec.qk_norm,
@@ -143,6 +153,25 @@ class Layer:
 
     def __init__(self, **kw) -> None:
         self.__dict__.update(kw)
+
+
+def _positive(cfg: dict, key: str, default=None) -> int:
+    """A config.json field that must be a positive integer (``default`` when absent or null)."""
+    v = cfg.get(key)
+    if v is None:
+        if default is None:
+            raise KeyError(key)
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise LiteturboError(f"config.json field {key!r} must be a positive integer, got {v!r}; the file is damaged "
+                             f"or not a Llama-family config")
+    return v
+
+
+def _positive_number(v, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
+        raise LiteturboError(f"config.json field {key!r} must be a positive number, got {v!r}")
+    return float(v)
 
 
 class LlamaModel:

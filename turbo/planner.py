@@ -42,23 +42,24 @@ POOL_FRACTION = 0.9  # share of the memory left after weights and workspace the 
 CPU_DEFAULT_KV_TOKENS = 16384
 SAMPLING_BYTES_PER_LOGIT = 16  # float32 probabilities + sorted float32 values + int64 indices (top-k/top-p)
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_UNITS = {"": GiB, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": MiB,
-          "g": GiB, "gb": 10**9, "gib": GiB, "t": 2**40, "tb": 10**12, "tib": 2**40}
+_UNITS = {"": GiB, "b": 1, "k": 1024, "ki": 1024, "kib": 1024, "kb": 1000, "m": MiB, "mi": MiB, "mib": MiB,
+          "mb": 10**6, "g": GiB, "gi": GiB, "gib": GiB, "gb": 10**9, "t": 2**40, "ti": 2**40, "tib": 2**40,
+          "tb": 10**12}
 
 
 def parse_memory(text: str | int | float) -> int:
-    """Bytes from ``"24GiB"``, ``"24 GB"`` (10^9), ``"24000MiB"``, ``"24"`` (a bare number is GiB).
-    Raises ``LiteturboError`` for anything else or a value that is not positive."""
+    """Bytes from ``"24GiB"`` / ``"24Gi"`` / ``"24G"`` (binary), ``"24 GB"`` (10^9), ``"24000MiB"``, ``"24"`` (a bare
+    number is GiB). Raises ``LiteturboError`` for anything else or a size that is not positive and finite."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
-            raise LiteturboError(f"cannot read the memory size {text!r}; write it as 24GiB, 24GB, 24000MiB or 24 "
-                                 f"(GiB)")
+            raise LiteturboError(f"cannot read the memory size {text!r}; write it as 24GiB (or 24Gi, 24G), 24GB "
+                                 f"(10^9 bytes), 24000MiB or 24 (GiB)")
         value, unit = float(m.group(1)), m.group(2).lower()
-    if not value > 0 or not math.isfinite(value):
-        raise LiteturboError(f"the memory size must be positive, got {text!r}")
+    if not (0 < value < math.inf):
+        raise LiteturboError(f"the memory size must be positive and finite, got {text!r}")
     return int(value * _UNITS[unit])
 
 
@@ -176,28 +177,60 @@ class PoolSize:
     what: str
 
 
-def size_pool(free: int, workspace: int, bytes_per_block: int, block_size: int, *, num_blocks: int | None = None,
-              kv_cache_gib: float | None = None, cache_max_entry_count: float | None = None,
-              max_kv_tokens: int | None = None, accelerator: bool = False) -> PoolSize:
-    """KV blocks for the first pool option that is set (``num_blocks``, ``kv_cache_gib``, ``cache_max_entry_count``
-    of ``free − workspace``, ``max_kv_tokens``); none set: :data:`POOL_FRACTION` of ``free − workspace`` on
-    accelerators, :data:`CPU_DEFAULT_KV_TOKENS` tokens on CPUs. ``blocks`` is 0 when a fixed size does not fit
-    (the caller names the shortfall ``asked − available``)."""
-    available = max(free - workspace, 0)
+def _requested(bytes_per_block: int, block_size: int, num_blocks, kv_cache_gib, cache_max_entry_count, max_kv_tokens,
+               accelerator: bool) -> tuple[int | None, float | None, str]:
+    """(fixed blocks or None, fraction or None, the option's name=value) for the pool options."""
     if num_blocks is not None:
-        n, what = num_blocks, f"num_blocks={num_blocks}"
-    elif kv_cache_gib is not None:
-        n, what = int(kv_cache_gib * GiB // bytes_per_block), f"kv_cache_gib={kv_cache_gib}"
-    elif cache_max_entry_count is not None or (accelerator and max_kv_tokens is None):
+        return num_blocks, None, f"num_blocks={num_blocks}"
+    if kv_cache_gib is not None:
+        return int(kv_cache_gib * GiB // bytes_per_block), None, f"kv_cache_gib={kv_cache_gib}"
+    if cache_max_entry_count is not None or (accelerator and max_kv_tokens is None):
         frac = POOL_FRACTION if cache_max_entry_count is None else cache_max_entry_count
-        n = int(frac * available // bytes_per_block)
-        what = f"cache_max_entry_count={frac}"
-        return PoolSize(n, available, n * bytes_per_block, what)
-    else:
-        tokens = CPU_DEFAULT_KV_TOKENS if max_kv_tokens is None else max_kv_tokens
-        n, what = -(-tokens // block_size), f"max_kv_tokens={tokens}"
-    asked = n * bytes_per_block
-    return PoolSize(n if asked <= available else 0, available, asked, what)
+        return None, frac, f"cache_max_entry_count={frac}"
+    tokens = CPU_DEFAULT_KV_TOKENS if max_kv_tokens is None else max_kv_tokens
+    return -(-tokens // block_size), None, f"max_kv_tokens={tokens}"
+
+
+def size_pool(free: int, workspace, bytes_per_block: int, block_size: int, *, num_blocks: int | None = None,
+              kv_cache_gib: float | None = None, cache_max_entry_count: float | None = None,
+              max_kv_tokens: int | None = None, accelerator: bool = False,
+              context_cap: int | None = None) -> tuple[PoolSize, dict[str, int]]:
+    """Size the KV pool and the workspace together; returns ``(PoolSize, workspace parts)``.
+
+    ``workspace(context_tokens)`` gives the workspace parts when decode attention gathers at most ``context_tokens``
+    tokens (see :func:`workspace_breakdown`); ``context_cap`` is the most it could gather (``max_batch_size x
+    session_len``), ``None`` when the backend reads K/V in place (nothing gathered). The pool option: ``num_blocks``,
+    ``kv_cache_gib``, ``max_kv_tokens`` (fixed sizes), ``cache_max_entry_count`` (a fraction of ``free − workspace``);
+    none: :data:`POOL_FRACTION` on accelerators, :data:`CPU_DEFAULT_KV_TOKENS` tokens on CPUs. A gathering backend
+    never gathers more tokens than the pool holds, so the workspace is sized for ``min(context_cap, pool tokens)``;
+    for a fractional pool the largest pool that satisfies that is found by bisection. ``blocks`` is 0 when a fixed
+    size does not fit (the caller names the shortfall ``asked − available``)."""
+    fixed, frac, what = _requested(bytes_per_block, block_size, num_blocks, kv_cache_gib, cache_max_entry_count,
+                                   max_kv_tokens, accelerator)
+
+    def ws_for(blocks: int | None) -> dict[str, int]:
+        if context_cap is None:
+            return workspace(None)
+        return workspace(min(context_cap, (blocks or 0) * block_size))
+
+    if fixed is not None:
+        ws = ws_for(fixed)
+        available = max(free - sum(ws.values()), 0)
+        asked = fixed * bytes_per_block
+        return PoolSize(fixed if 0 < asked <= available else 0, available, asked, what), ws
+
+    def fits(n: int) -> bool:
+        return n * bytes_per_block <= frac * max(free - sum(ws_for(n).values()), 0)
+
+    lo, hi = 0, int(frac * max(free - sum(ws_for(0).values()), 0) // bytes_per_block)
+    while lo < hi:  # the largest n with fits(n): fits is monotone (the workspace grows with the pool)
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    ws = ws_for(lo)
+    return PoolSize(lo, max(free - sum(ws.values()), 0), lo * bytes_per_block, what), ws
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -231,6 +264,7 @@ class Plan:
     engine_options: dict = field(default_factory=dict)
     suggestions: list[str] = field(default_factory=list)
     quantization: dict | None = None
+    notes: list[str] = field(default_factory=list)
     raw_config: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -268,25 +302,28 @@ class Plan:
         for k, v in self.workspace.items():
             rows.append((f"workspace: {k}", gib(v), ""))
         rows.append(("workspace total", gib(self.workspace_total),
-                     f"prefill chunk {self.max_num_batched_tokens} tokens, {self.max_batch_size} rows"))
+                     f"prefill chunk {_n(self.max_num_batched_tokens, 'token')}, {_n(self.max_batch_size, 'row')}"))
         rows.append(("KV cache per token", f"{self.kv_bytes_per_token / 1024:.1f} KiB",
                      f"{self.kv_cache_dtype}, all layers, K and V, scales included"))
-        rows.append(("KV pool", gib(self.pool_bytes), f"{self.pool_tokens:,} tokens in {self.pool_blocks:,} blocks "
-                                                      f"of {self.block_size}"))
+        rows.append(("KV pool", gib(self.pool_bytes), f"{_n(self.pool_tokens, 'token')} in "
+                                                      f"{_n(self.pool_blocks, 'block')} of {self.block_size}"))
         rows.append(("sessions at once", str(self.sessions_at_once), f"of session_len {self.session_len:,} tokens"))
         rows.append(("fits", "yes" if self.fits else "NO", self.reason))
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
         head = f"{self.model} on {self.device} ({self.backend} backend, {self.dtype} compute)"
         lines = [head, "-" * len(head)] + [f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
+        lines += [f"note: {n}" for n in self.notes]
         if self.suggestions:
             lines.append("to fit: " + "; ".join(self.suggestions))
         if self.quantization:
             q = self.quantization
-            lines.append(f"quantize with lite ({q['method']}, {q['calib_samples']} x {q['calib_seqlen']} calibration "
-                         f"tokens, on {q['device']}): peak {gib(q['peak'])} "
+            data = ("no calibration" if q["method"] == "rtn"
+                    else f"{q['calib_samples']} x {q['calib_seqlen']} calibration tokens")
+            lines.append(f"quantize with lite ({q['method']}, {data}, on {q['device']}): peak {gib(q['peak'])} "
                          f"({', '.join(f'{k} {gib(v)}' for k, v in q['parts'].items())}) -> "
-                         f"{'fits' if q['fits'] else 'does NOT fit'} in {gib(self.budget)}"
+                         f"{'fits' if q['fits'] else 'does NOT fit'} in {gib(q['room'])}"
+                         + (" (the budget less the reserve)" if self.reserve else "")
                          + (f"; {q['advice']}" if q.get("advice") else ""))
         return "\n".join(lines)
 
@@ -295,10 +332,11 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
          backend: str = "auto", dtype: torch.dtype = torch.bfloat16, weights: WeightChoice | None = None,
          kv_cache_dtype: str = "auto", session_len: int | None = None, max_batch_size: int = 64,
          max_num_batched_tokens: int = 1024, block_size: int = 64, in_use: int = 0,
-         cache_max_entry_count: float | None = None, max_kv_tokens: int | None = None) -> Plan:
+         cache_max_entry_count: float | None = None, max_kv_tokens: int | None = None, suggest: bool = True) -> Plan:
     """Plan serving ``cfg`` (a :class:`turbo.model.ModelConfig`) on a ``device_kind`` (``cpu``, ``cuda``, ``rocm``,
     ``npu``) with ``budget`` bytes of memory, ``in_use`` of them already taken by others. Everything else as the
-    engine's options (:class:`turbo.config.EngineConfig`). Raises ``LiteturboError`` for impossible options."""
+    engine's options (:class:`turbo.config.EngineConfig`). When it does not fit, ``suggestions`` lists option changes
+    that do, each checked by planning again. Raises ``LiteturboError`` for impossible options."""
     w = weights or WeightChoice()
     accel = device_kind != "cpu"
     name = backend
@@ -307,6 +345,10 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
     classes = backend_classes()
     if name not in classes:
         raise LiteturboError(f"unknown backend {backend!r}; choose one of auto, {', '.join(sorted(classes))}")
+    runs_on = {"triton": ("cuda", "rocm"), "ascend": ("npu",)}.get(name)
+    if runs_on is not None and device_kind not in runs_on:
+        raise LiteturboError(f"the {name} backend runs on {' or '.join(runs_on)}, not {device_kind}; use --backend "
+                             f"auto or torch")
     cls = classes[name]
     dev_type = "cuda" if device_kind in ("cuda", "rocm") else device_kind
     dname = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
@@ -315,28 +357,24 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
     bpt, bpb = spec.bytes_per_token(), spec.bytes_per_block()
     max_pos = cfg.max_position_embeddings
     want_len = min(session_len or max_pos, max_pos)
+    notes = []
+    if session_len and session_len > max_pos:
+        notes.append(f"--session-len {session_len} is capped to the model's max_position_embeddings ({max_pos})")
     wb = weight_breakdown(cfg, cls, dev_type, dtype, w)
     reserve = ACCELERATOR_RESERVE if accel else 0
     free = budget - reserve - in_use - sum(wb.values())
 
-    def workspace(ctx=None, t=max_num_batched_tokens, b=max_batch_size, length=want_len):
-        return workspace_breakdown(cfg, cls, dtype, kv_dtype, w.bits < 16, w.lm_head_int8, t, b, length,
-                                   context_tokens=ctx)
+    def workspace(ctx):
+        return workspace_breakdown(cfg, cls, dtype, kv_dtype, w.bits < 16, w.lm_head_int8, max_num_batched_tokens,
+                                   max_batch_size, want_len, context_tokens=ctx)
 
-    def pool_for(ws_total, bpb_=bpb):
-        return size_pool(free, ws_total, bpb_, block_size, cache_max_entry_count=cache_max_entry_count,
-                         max_kv_tokens=max_kv_tokens, accelerator=accel)
-
-    ws = workspace()
-    pool = pool_for(sum(ws.values()))
-    if not cls.paged_attention and pool.blocks:  # decode gathers at most the pool's tokens
-        ws = workspace(ctx=pool.blocks * block_size)
-        pool = pool_for(sum(ws.values()))
+    pool, ws = size_pool(free, workspace, bpb, block_size, cache_max_entry_count=cache_max_entry_count,
+                         max_kv_tokens=max_kv_tokens, accelerator=accel,
+                         context_cap=None if cls.paged_attention else max_batch_size * want_len)
     tokens = pool.blocks * block_size
     blocks_per_session = -(-want_len // block_size)
-    sessions = pool.blocks // blocks_per_session if pool.blocks else 0
+    sessions = pool.blocks // blocks_per_session
     ws_total = sum(ws.values())
-    suggestions: list[str] = []
     if free - ws_total <= 0:
         fits = False
         reason = (f"weights {gib(sum(wb.values()))} + workspace {gib(ws_total)}"
@@ -352,62 +390,79 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
                   f"({gib(blocks_per_session * bpb - pool.blocks * bpb)} short)")
     else:
         fits = True
-        reason = f"{gib(budget - reserve - in_use - sum(wb.values()) - ws_total - pool.blocks * bpb)} left over"
-    if not fits:
-        suggestions = _suggest(cfg, cls, dev_type, dtype, w, kv_dtype, want_len, max_batch_size,
-                               max_num_batched_tokens, block_size, budget - reserve - in_use, accel)
+        reason = f"{gib(free - ws_total - pool.blocks * bpb)} left over"
     opts = {"kv_cache_dtype": kv_dtype, "session_len": want_len, "max_batch_size": max_batch_size,
             "max_num_batched_tokens": max_num_batched_tokens}
     if accel:
         opts["cache_max_entry_count"] = cache_max_entry_count or POOL_FRACTION
     else:
         opts["max_kv_tokens"] = tokens
-    if device_kind != "cpu":
-        opts["device"] = "cuda" if device_kind in ("cuda", "rocm") else "npu"
-    return Plan(model=model, device=device_kind, backend=name, dtype=dname, budget=budget, budget_source=budget_source,
-                reserve=reserve, weights=wb, workspace=ws, weight_bits=w.bits, group_size=w.group_size,
-                kv_cache_dtype=kv_dtype, kv_bytes_per_token=bpt, block_size=block_size, pool_blocks=pool.blocks,
-                pool_tokens=tokens, pool_bytes=pool.blocks * bpb, session_len=want_len, sessions_at_once=sessions,
-                max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, fits=fits,
-                reason=reason, engine_options=opts, suggestions=suggestions)
+    p = Plan(model=model, device=device_kind, backend=name, dtype=dname, budget=budget, budget_source=budget_source,
+             reserve=reserve, weights=wb, workspace=ws, weight_bits=w.bits, group_size=w.group_size,
+             kv_cache_dtype=kv_dtype, kv_bytes_per_token=bpt, block_size=block_size, pool_blocks=pool.blocks,
+             pool_tokens=tokens, pool_bytes=pool.blocks * bpb, session_len=want_len, sessions_at_once=sessions,
+             max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, fits=fits,
+             reason=reason, engine_options=opts, notes=notes)
+    if not fits and suggest:
+        args = dict(model=model, device_kind=device_kind, budget=budget, budget_source=budget_source, backend=backend,
+                    dtype=dtype, weights=w, kv_cache_dtype=kv_dtype, session_len=want_len,
+                    max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
+                    block_size=block_size, in_use=in_use, cache_max_entry_count=cache_max_entry_count,
+                    max_kv_tokens=max_kv_tokens, suggest=False)
+        p.suggestions = _suggest(cfg, raw_config, args, accel, block_size)
+    return p
 
 
-def _suggest(cfg, cls, dev_type, dtype, w, kv_dtype, length, b, t, block_size, budget, accel) -> list[str]:
-    """Options that would make a configuration fit, each checked with the same accounting."""
-    wtot = sum(weight_breakdown(cfg, cls, dev_type, dtype, w).values())
+def _suggest(cfg, raw_config: dict, args: dict, accel: bool, block_size: int) -> list[str]:
+    """Single option changes that make the plan fit, each verified by planning again with it."""
+    def fits(**change) -> Plan | None:
+        p = plan(cfg, raw_config, **dict(args, **change))
+        return p if p.fits else None
+
     out = []
-
-    def tokens_for(kv, t_=t, b_=b, length_=length):
-        bpb = kv_spec(cfg, kv, block_size).bytes_per_block()
-        ws = sum(workspace_breakdown(cfg, cls, dtype, kv, w.bits < 16, w.lm_head_int8, t_, b_, length_,
-                                     context_tokens=b_ * length_ if cls.paged_attention else length_).values())
-        avail = budget - wtot - ws
-        return int((POOL_FRACTION if accel else 1.0) * max(avail, 0) // bpb) * block_size
-
-    if wtot >= budget:
-        if w.bits > 4:
-            w4 = WeightChoice(4, 128, False, w.scales_dtype, w.lm_head_int8)
-            need = sum(weight_breakdown(cfg, cls, dev_type, dtype, w4).values())
-            out.append(f"4-bit weights (liteturbo lite auto-awq; weights {gib(need)})")
-        out.append(f"a device with more than {gib(wtot)} free for the weights alone")
-        return out
-    for kv in ("int8", "int4"):
-        if _rank(kv) < _rank(kv_dtype):
-            n = tokens_for(kv)
-            if n >= length:
-                out.append(f"--kv-cache-dtype {kv} ({n:,} tokens)")
-    for t_ in (512, 256):
-        if t_ < t and tokens_for(kv_dtype, t_=t_) >= length:
-            out.append(f"--max-num-batched-tokens {t_}")
+    kv, length, w = args["kv_cache_dtype"], args["session_len"], args["weights"]
+    for cand in ("int8", "int4"):
+        if _rank(cand) < _rank(kv) and (p := fits(kv_cache_dtype=cand)):
+            out.append(f"--kv-cache-dtype {cand} ({p.pool_tokens:,} tokens)")
+    if w.bits > 4 and fits(weights=WeightChoice(4, 128, False, w.scales_dtype, w.lm_head_int8)):
+        out.append("4-bit weights (liteturbo lite auto-awq)")
+    if args["dtype"] == torch.float32 and fits(dtype=torch.bfloat16):
+        out.append("--dtype bfloat16")
+    for t in (512, 256):
+        if t < args["max_num_batched_tokens"] and fits(max_num_batched_tokens=t):
+            out.append(f"--max-num-batched-tokens {t}")
             break
-    for b_ in (16, 4):
-        if b_ < b and tokens_for(kv_dtype, b_=b_) >= length:
-            out.append(f"--max-batch-size {b_}")
+    for b in (16, 4, 1):
+        if b < args["max_batch_size"] and fits(max_batch_size=b):
+            out.append(f"--max-batch-size {b}")
             break
-    n = tokens_for(kv_dtype, length_=min(length, 4096))
-    if 0 < n < length:
-        out.append(f"--session-len {n // block_size * block_size if n >= block_size else n}")
+    if not accel and args["max_kv_tokens"] != -(-length // block_size) * block_size:
+        need = -(-length // block_size) * block_size
+        if fits(max_kv_tokens=need):
+            out.append(f"--max-kv-tokens {need}")
+    lo, hi = 0, (length - 1) // block_size  # the longest session (whole blocks) that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(session_len=mid * block_size):
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo:
+        out.append(f"--session-len {lo * block_size}")
+    lo, hi = args["budget"], 16 * args["budget"] + 1024 * GiB  # the smallest budget that fits, to 1/64 GiB
+    if fits(budget=hi):
+        while hi - lo > GiB // 64:
+            mid = (lo + hi) // 2
+            if fits(budget=mid):
+                hi = mid
+            else:
+                lo = mid
+        out.append(f"a device with {math.ceil(hi / GiB * 100) / 100:.2f} GiB or more")
     return out
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
 def _rank(kv: str) -> int:
@@ -473,7 +528,8 @@ def _read_config(model: str):
 def plan_checkpoint(model: str, *, gpu_mem: str | None = None, device: str | None = None, backend: str = "auto",
                     dtype: str = "auto", w_bits: int | None = None, w_group_size: int | None = None,
                     kv_cache_dtype: str = "auto", session_len: int | None = None, max_batch_size: int = 64,
-                    max_num_batched_tokens: int = 1024, block_size: int = 64) -> tuple[Plan, bool]:
+                    max_num_batched_tokens: int = 1024, block_size: int = 64,
+                    max_kv_tokens: int | None = None) -> tuple[Plan, bool]:
     """:func:`plan` for ``liteturbo plan``: reads ``model`` (see :func:`_read_config`), resolves the device and
     budget (``gpu_mem``, else the memory free on ``device`` now) and the options as the engine would. Returns the
     plan (with ``raw_config`` attached) and whether the model must be quantized first (a 16-bit checkpoint planned
@@ -491,9 +547,21 @@ def plan_checkpoint(model: str, *, gpu_mem: str | None = None, device: str | Non
             raise LiteturboError(f"{opt} must be >= 1, got {v}")
     if session_len is not None and session_len < 2:
         raise LiteturboError(f"--session-len must be > 1, got {session_len}")
-    if w_group_size is not None and w_group_size != -1 and (w_group_size < 8 or cfg.hidden_size % w_group_size):
-        raise LiteturboError(f"--w-group-size {w_group_size} does not divide hidden_size={cfg.hidden_size}; use a "
-                             f"divisor of it (32, 64, 128) or -1")
+    if max_kv_tokens is not None and max_kv_tokens < 1:
+        raise LiteturboError(f"--max-kv-tokens must be >= 1, got {max_kv_tokens}")
+    quantized_ckpt = bool(raw.get("quantization_config"))
+    if quantized_ckpt and (w_bits is not None or w_group_size is not None):
+        raise LiteturboError(f"{model} is already quantized; --w-bits and --w-group-size plan a 16-bit model as it "
+                             f"would be quantized (drop them to plan this checkpoint as it is)")
+    widths = {cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size}  # every linear's in_features
+    valid = [g for g in (32, 64, 128, 256) if all(x % g == 0 for x in widths)]
+    if w_group_size is None and not quantized_ckpt:
+        w_group_size = 128 if 128 in valid else (max(valid) if valid else -1)
+    elif w_group_size is not None and w_group_size != -1 and (w_group_size < 8 or any(x % w_group_size
+                                                                                      for x in widths)):
+        raise LiteturboError(f"--w-group-size {w_group_size} does not divide the input width of every linear "
+                             f"({', '.join(str(x) for x in sorted(widths))}); use "
+                             f"{', '.join(str(g) for g in valid) + ' or ' if valid else ''}-1 (per channel)")
     kv = _KV_ALIASES.get(kv_cache_dtype.lower(), kv_cache_dtype.lower())
     if kv not in KV_CACHE_DTYPE_CHOICES:
         raise LiteturboError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got "
@@ -515,21 +583,30 @@ def plan_checkpoint(model: str, *, gpu_mem: str | None = None, device: str | Non
         budget = plat.free_memory()
         source = f"free {plat.kind} memory now ({plat.name})"
         default_dtype = plat.default_dtype()
-    if dtype == "auto":
+    dkey = {"half": "float16", "float": "float32"}.get(dtype.lower(), dtype.lower())
+    if dkey == "auto":
         tdtype = default_dtype
-    elif dtype in _DTYPES:
-        tdtype = _DTYPES[dtype]
+    elif dkey in _DTYPES:
+        tdtype = _DTYPES[dkey]
     else:
-        raise LiteturboError(f"--dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
-    quantized_ckpt = bool(raw.get("quantization_config"))
-    if quantized_ckpt and w_bits is not None and w_bits == 16:
-        raise LiteturboError("this checkpoint is already quantized; --w-bits 16 needs the 16-bit original")
+        raise LiteturboError(f"--dtype must be auto, bfloat16 (bf16), float16 (fp16, half) or float32 (fp32), got "
+                             f"{dtype!r}")
     lm_int8 = quantized_ckpt or (w_bits is not None and w_bits < 16) or w_bits is None
     lm_int8 = lm_int8 and kind == "cpu" and tdtype != torch.float32
     wc = weight_choice(folder, raw, lm_int8, bits=w_bits if w_bits is not None else (None if quantized_ckpt else 4),
                        group_size=w_group_size)
     p = plan(cfg, raw, model=name, device_kind=kind, budget=budget, budget_source=source, backend=backend,
              dtype=tdtype, weights=wc, kv_cache_dtype=kv, session_len=session_len, max_batch_size=max_batch_size,
-             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, in_use=in_use)
+             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, in_use=in_use,
+             max_kv_tokens=max_kv_tokens)
     p.raw_config = raw
+    if wc.bits == 8:
+        p.notes.append("liteturbo loads 4-bit checkpoints only today: W8A16 is planned for comparison")
+    if dtype != "auto":
+        p.engine_options["dtype"] = p.dtype
+    if backend != "auto":
+        p.engine_options["backend"] = p.backend
+    if block_size != 64:
+        p.engine_options["block_size"] = block_size
+    p.engine_options["device"] = {"cuda": "cuda", "rocm": "cuda", "npu": "npu"}.get(kind, "cpu")
     return p, (not quantized_ckpt and wc.bits < 16)

@@ -76,6 +76,9 @@ def load_config(path: Path) -> dict:
             cfg = json.load(f)
     except json.JSONDecodeError as e:
         raise LiteturboError(f"{path / 'config.json'} is not valid JSON ({e}); re-export the checkpoint") from e
+    except UnicodeDecodeError as e:
+        raise LiteturboError(f"{path / 'config.json'} is not UTF-8 text ({e.reason} at byte {e.start}); re-export "
+                             f"the checkpoint") from e
     if not isinstance(cfg, dict):
         raise LiteturboError(f"{path / 'config.json'} must hold a JSON object")
     return cfg

@@ -73,6 +73,9 @@ def quantization_spec(config: dict) -> QuantSpec | None:
                              f"{', '.join(SUPPORTED_METHODS)}")
     if spec.bits != 4:
         raise LiteturboError(f"{spec.method} checkpoints with bits={spec.bits} are not supported (only 4)")
+    if spec.group_size != -1 and spec.group_size < 1:
+        raise LiteturboError(f"quantization_config has group_size={spec.group_size}; it must be -1 (per channel) or "
+                             f"positive")
     return spec
 
 
