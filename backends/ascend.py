@@ -108,7 +108,7 @@ class AscendBackend(TorchBackend):
                 "the ascend backend cannot run batch_invariant=True: CANN's matmul kernels choose their tiling by "
                 f"row count, so a token's numbers depend on the step; fallback: {FALLBACK}")
         # int4_kernel=False: the torch int4pack kernel is CPU-only; the fallback is dequantize + matmul
-        super().__init__(device, int4_kernel=False, batch_invariant=False)
+        super().__init__(device, int4_kernel=False, batch_invariant=False, cpu_kernels=False)
         self.npu = None
         if vendor_ops:
             try:

@@ -4,6 +4,11 @@ On CPU the W4A16 linear uses torch's fused int4 kernel ``aten._weight_int4pack_m
 once by ``aten._convert_weight_to_int4pack_for_cpu``); elsewhere, or for layouts that kernel cannot take
 (bits != 4, act-order ``g_idx``, odd group sizes), it dequantizes then multiplies. Attention reads the paged KV
 cache object of :mod:`backends.kv_cache` (16-bit, int8 or int4, dequantized on gather).
+
+On CPUs where liteturbo's C++ extension builds (:mod:`backends.cpu_ext`), RMSNorm, residual add + RMSNorm and
+rotary run as one fused call each, and a lone decode row over a 16-bit cache uses its decode-attention kernel
+(``cpu_kernels=False`` keeps the torch ops); ``cpu_w4a16=True`` also routes 4-bit linears to its W4A16 GEMM (not the
+default: torch's int4pack is faster here so far, `python bench/kernels.py`).
 """
 from __future__ import annotations
 
@@ -42,6 +47,46 @@ class Int4PackHandle:
     nibbles: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     scaled_zeros: torch.Tensor | None = None
+
+
+@dataclass
+class CpuW4Handle:
+    """A 4-bit weight in the layout of liteturbo's C++ CPU kernel (``backends/csrc/w4a16_cpu.cpp``, loaded by
+    :mod:`backends.cpu_ext`): ``packed`` uint8 ``[out, in/2]`` (per 64 input channels, byte ``j`` = code ``j`` |
+    code ``32 + j`` << 4), ``scales`` float32 ``[out, groups]``, ``zoff`` int16 ``[out, groups]`` (16 − zero point),
+    ``bias`` in ``dtype``, ``in_perm`` int64 ``[in]`` for act-order. Half a byte per weight."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    zoff: torch.Tensor
+    group_size: int
+    out_features: int
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+    in_perm: torch.Tensor | None = None
+
+
+def cpu_kernel_supported(qw: QuantizedWeight, device: torch.device) -> bool:
+    """Whether the C++ CPU kernel can hold ``qw`` (4-bit, ``in_features`` a multiple of 64, group size a multiple of
+    32, trivial or regular act-order g_idx); the extension itself must also load (:func:`backends.cpu_ext.load`)."""
+    return (_cpu_kernel_shape_ok(qw.bits, qw.in_features, qw.effective_group_size, device.type)
+            and (qw.has_trivial_g_idx() or act_order_permutation(qw) is not None))
+
+
+def _cpu_kernel_shape_ok(bits: int, in_features: int, group_size: int, device_type: str) -> bool:
+    return device_type == "cpu" and bits == 4 and in_features % 64 == 0 and group_size % 32 == 0 \
+        and in_features % group_size == 0
+
+
+def pack_for_cpu_kernel(qw: QuantizedWeight, dtype: torch.dtype) -> CpuW4Handle:
+    """Repack canonical codes for the C++ kernel (exact: scales kept in float32, zero points as integers)."""
+    from .cpu_ext import pack_w4_cpu
+
+    perm = act_order_permutation(qw)
+    codes = qw.qweight if perm is None else qw.qweight[:, perm]
+    return CpuW4Handle(pack_w4_cpu(codes), qw.scales.float().t().contiguous(),
+                       (16 - qw.qzeros.to(torch.int16)).t().contiguous(), qw.effective_group_size, qw.out_features,
+                       None if qw.bias is None else qw.bias.to(dtype), dtype, perm)
 
 
 @dataclass
@@ -138,9 +183,18 @@ class TorchBackend(Backend):
     dequant_min_rows = 96
 
     def __init__(self, device: torch.device | str = "cpu", int4_kernel: bool = True,
-                 dequant_min_rows: int = 96, int8_tile_min_rows: int = 12, batch_invariant: bool = False) -> None:
+                 dequant_min_rows: int = 96, int8_tile_min_rows: int = 12, batch_invariant: bool = False,
+                 cpu_kernels: bool = True, cpu_w4a16: bool = False) -> None:
         super().__init__(device, batch_invariant)
         self.int4_kernel = int4_kernel
+        # liteturbo's C++ kernels (backends/cpu_ext.py) on CPUs: fused norms, SiLU-and-mul, rotary and decode
+        # attention; cpu_w4a16 also routes 4-bit linears to its W4A16 GEMM instead of torch's int4pack
+        self.ext = None
+        if cpu_kernels and self.device.type == "cpu":
+            from . import cpu_ext
+
+            self.ext = cpu_ext.load()
+        self.cpu_w4a16 = cpu_w4a16 and self.ext is not None
         never = 1 << 62
         self.dequant_min_rows = never if batch_invariant else dequant_min_rows
         self.int8_tile_min_rows = never if batch_invariant else int8_tile_min_rows
@@ -157,8 +211,13 @@ class TorchBackend(Backend):
                              "many rows or layouts it cannot take" if cpu else "dequantize + matmul"),
             "w8a16_linear": ("torch int8pack kernel (aten._weight_int8pack_mm, 16-bit activations); tiled "
                              "dequantize + matmul for many rows" if cpu else "dequantize + matmul"),
-            "rms_norm": ref, "add_rms_norm": ref + " (unfused add, then rms_norm)", "silu_and_mul": ref,
-            "rotary": ref, "attention": "torch SDPA (prefill) + batched matmul decode over the gathered paged KV",
+            "rms_norm": ("liteturbo C++ kernel (fused)" if cpu else ref),
+            "add_rms_norm": ("liteturbo C++ kernel (add fused with rms_norm)" if cpu else
+                             ref + " (unfused add, then rms_norm)"),
+            "silu_and_mul": ref,
+            "rotary": ("liteturbo C++ kernel (q and k read in place from the fused QKV)" if cpu else ref),
+            "attention": ("torch SDPA (prefill) + batched matmul decode over the gathered paged KV"
+                          + ("; a lone 16-bit decode row: liteturbo C++ kernel over the block table" if cpu else "")),
             "kv_write_int8": ref + " (quantize per token + index_copy)",
             "kv_write_int4": ref + " (quantize per token, pack nibbles + index_copy)",
         }
@@ -171,16 +230,18 @@ class TorchBackend(Backend):
         weight; ``scale_zeros``, ``scales`` and ``scaled_zeros`` in ``dtype``, 4 values per group and output; int64
         input permutation for act-order)."""
         gs = spec.in_features if spec.group_size == -1 else spec.group_size
-        if not (spec.quantized and _int4pack_shape_ok(spec.bits, spec.out_features, spec.in_features, gs, device_type)):
-            return super().linear_nbytes(spec, dtype, device_type)
         e = torch.empty((), dtype=dtype).element_size()
         out = spec.out_features
+        if not (spec.quantized and _int4pack_shape_ok(spec.bits, spec.out_features, spec.in_features, gs, device_type)):
+            return super().linear_nbytes(spec, dtype, device_type)
         return (out * spec.in_features + 4 * spec.groups * out * e + (out * e if spec.bias else 0)
                 + (8 * spec.in_features if spec.act_order else 0))
 
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
         """int4pack on CPU when the layout allows (see :func:`int4pack_supported`), else a :class:`DequantHandle`
         (a trivial g_idx is dropped: it costs 4 bytes per input channel and says nothing)."""
+        if self.int4_kernel and self.cpu_w4a16 and cpu_kernel_supported(qw, self.device):
+            return pack_for_cpu_kernel(qw, dtype)
         if self.int4_kernel and int4pack_supported(qw, self.device):
             return pack_int4_for_cpu(qw, dtype)
         g_idx = None if qw.has_trivial_g_idx() else qw.g_idx.to(self.device)
@@ -193,6 +254,14 @@ class TorchBackend(Backend):
 
     def w4a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
         """See :meth:`Backend.w4a16_linear`; computes in the handle's dtype, returns ``x.dtype``."""
+        if isinstance(handle, CpuW4Handle):
+            xin = x if x.dtype == handle.dtype else x.to(handle.dtype)
+            if handle.in_perm is not None:
+                xin = xin.index_select(-1, handle.in_perm)
+            y = self.ext.w4a16_mm(xin.contiguous(), handle.packed, handle.scales, handle.zoff, handle.group_size)
+            if handle.bias is not None:
+                y = y + handle.bias
+            return y.to(x.dtype)
         if isinstance(handle, Int4PackHandle):
             xin = x if x.dtype == handle.dtype else x.to(handle.dtype)
             if handle.in_perm is not None:
@@ -220,13 +289,26 @@ class TorchBackend(Backend):
 
     # --- elementwise ----------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """As transformers' LlamaRMSNorm: statistics in float32, scaled in ``x.dtype``."""
+        """As transformers' LlamaRMSNorm: statistics in float32, scaled in ``x.dtype`` (one fused C++ call on CPUs
+        with the extension, else torch ops)."""
+        if self.ext is not None and weight.dtype == x.dtype:
+            return self.ext.rms_norm(x, weight, eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
 
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`Backend.add_rms_norm` (fused in C++ on CPUs with the extension)."""
+        if self.ext is not None and weight.dtype == x.dtype == residual.dtype:
+            return self.ext.add_rms_norm(x, residual, weight, eps)
+        return super().add_rms_norm(x, residual, weight, eps)
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
-        """Rotate-half RoPE of q and k with precomputed cos/sin ``[T, 1, D]``."""
+        """Rotate-half RoPE of q and k with precomputed cos/sin ``[T, 1, D]`` (one C++ call each on CPUs with the
+        extension, reading q/k in place from the fused QKV output)."""
+        if self.ext is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            return self.ext.rotary(q, cos, sin), self.ext.rotary(k, cos, sin)
         return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
 
     # --- paged KV --------------------------------------------------------------------------------
@@ -238,9 +320,13 @@ class TorchBackend(Backend):
         space of ``cache.attention_query(q)``; ``cache.attention_output`` maps the result back."""
         kvh, d = cache.spec.num_kv_heads, cache.spec.head_dim
         q = cache.attention_query(layer, q)
+        # a lone decode row over a 16-bit cache: liteturbo's C++ kernel reads K/V in place through the slots (CPU)
+        fused = self.ext is not None and not cache.spec.quantized and not self.batch_invariant \
+            and cache.k[layer].dtype == q.dtype
         plan = meta.scratch.get("torch_attn")
         if plan is None:  # gather indices and masks are the same for every layer of the step
-            plan = meta.scratch["torch_attn"] = _attention_plan(meta, meta.block_size, q.device, self.batch_invariant)
+            plan = meta.scratch["torch_attn"] = _attention_plan(meta, meta.block_size, q.device, self.batch_invariant,
+                                                                fused)
         singles, decode = plan
         out = q.new_empty(q.shape) if len(singles) > 1 or decode is not None else None
         for qs, qe, slots, mask, causal in singles:
@@ -259,7 +345,11 @@ class TorchBackend(Backend):
             if out is None:
                 return cache.attention_output(layer, o)
             out[qs:qe] = o
-        if decode is not None:
+        if decode is not None and decode[0] == "fused":
+            _, rows, idx, lens = decode
+            o = self.ext.decode_attention(q.index_select(0, rows), cache.k[layer], cache.v[layer], idx, lens, scale)
+            out.index_copy_(0, rows, o)
+        elif decode is not None:
             rows, idx, pad = decode  # idx [B, L] slots (padded with a row's own last slot), pad [1, B, 1, L]
             b, length = idx.shape
             kb, vb = cache.gather(layer, idx.view(-1))
@@ -291,8 +381,11 @@ def _int8_tiled_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, tile:
     return y
 
 
-def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batch_invariant: bool = False):
-    """Per step: (single-sequence jobs, batched-decode job or None)."""
+def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batch_invariant: bool = False,
+                    fused_decode: bool = False):
+    """Per step: (single-sequence jobs, batched-decode job or None). ``fused_decode``: a lone one-token row goes to
+    the decode job as ``("fused", rows, slots [1, L], lens [1])`` for the C++ kernel (`python bench/cpu_ops.py`: 6.8x faster
+    than SDPA at 60 tokens of context, even at 1,000; a batch of rows stays on the batched matmuls, which win there)."""
     singles, dec = [], []
     for b in range(meta.num_seqs):
         qs, qe = meta.query_start[b], meta.query_start[b + 1]
@@ -308,6 +401,14 @@ def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batc
             mask = torch.arange(ctx, device=device).unsqueeze(0) <= rows
         singles.append((qs, qe, slots.to(device), mask, t == ctx))
     decode = None
+    if fused_decode and len(dec) == 1:
+        length = max(len(sl) for _, sl in dec)
+        idx = torch.zeros(len(dec), length, dtype=torch.long)
+        for i, (_, sl) in enumerate(dec):
+            idx[i, :len(sl)] = sl
+        lens = torch.tensor([len(sl) for _, sl in dec], dtype=torch.long)
+        rows = torch.tensor([qs for qs, _ in dec], dtype=torch.long)
+        return singles, ("fused", rows.to(device), idx.to(device), lens.to(device))
     # one decode row: SDPA on its exact context, no mask (`python bench/kernels.py`: 50 vs 68 us at 64 tokens
     # of context, but 115 vs 73 us at 192: the matmul path wins for longer chats; not re-tuned yet)
     if len(dec) == 1 and not batch_invariant:

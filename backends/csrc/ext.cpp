@@ -1,0 +1,25 @@
+// Python bindings of liteturbo's CPU kernels (built by backends/cpu_ext.py).
+#include <torch/extension.h>
+
+#include <tuple>
+
+at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zoff,
+                    int64_t group_size);
+bool has_avx512_bf16();
+at::Tensor lt_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> lt_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                   const at::Tensor& weight, double eps);
+at::Tensor lt_silu_and_mul(const at::Tensor& gate_up);
+at::Tensor lt_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor lt_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& slots, const at::Tensor& lens, double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("w4a16_mm", &w4a16_mm, "W4A16 GEMM: x [M, K] x packed 4-bit weight -> float32 [M, N] (w4a16_cpu.cpp)");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "whether the AVX-512 BF16 W4A16 kernel was compiled in");
+  m.def("rms_norm", &lt_rms_norm, "RMSNorm over the last dim (ops_cpu.cpp)");
+  m.def("add_rms_norm", &lt_add_rms_norm, "residual add + RMSNorm -> (normed, sum)");
+  m.def("silu_and_mul", &lt_silu_and_mul, "silu(gate) * up for gate_up [T, 2I]");
+  m.def("rotary", &lt_rotary, "rotate-half RoPE of [T, heads, D] -> contiguous copy");
+  m.def("decode_attention", &lt_decode_attention, "one-row-per-sequence attention over a 16-bit paged cache");
+}

@@ -1,0 +1,204 @@
+// Fused CPU kernels for the per-token work of a decoder layer: one call instead of five to ten torch ops each.
+//
+// Numbers follow the torch reference ops of backends/torch_backend.py and backends/base.py: statistics and
+// products in float32, results rounded to the tensor's dtype where the reference rounds (after each elementwise op).
+// Reductions run in a different order than torch's, so 16-bit results may differ from the reference by one unit in
+// the last place; float32 results by rounding only.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline T rnd(float v) { return static_cast<T>(v); }
+
+// sum_j a[j] * b[j] in float32 over 16 independent lanes (vectorizable without reassociating a sum), then the lanes
+// in a fixed order: the same result for the same inputs wherever it runs.
+template <typename A, typename B>
+inline float dot_lanes(const A* a, const B* b, int64_t n) {
+  float acc[16] = {0.f};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += static_cast<float>(a[j + l]) * static_cast<float>(b[j + l]);
+  for (; j < n; ++j) acc[j % 16] += static_cast<float>(a[j]) * static_cast<float>(b[j]);
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += acc[l];
+  return s;
+}
+
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  const float ss = dot_lanes(x, x, n);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = rnd<T>(static_cast<float>(w[j]) * static_cast<float>(rnd<T>(static_cast<float>(x[j]) * r)));
+  }
+}
+
+inline int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+}  // namespace
+
+// x [T, H] (contiguous rows), weight [H] → [T, H] in x's dtype (RMSNorm, Zhang & Sennrich 2019)
+at::Tensor lt_rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  const at::Tensor x = x_in.contiguous(), w = weight_in.to(x_in.scalar_type()).contiguous();
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lt_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_rows(h), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * h, wp, op + r * h, h, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// h = residual + x (rounded to the dtype), then rms_norm(h) → (normed, h)
+std::tuple<at::Tensor, at::Tensor> lt_add_rms_norm(const at::Tensor& x_in, const at::Tensor& res_in,
+                                                   const at::Tensor& weight_in, double eps) {
+  const at::Tensor x = x_in.contiguous(), res = res_in.contiguous(), w = weight_in.to(x_in.scalar_type()).contiguous();
+  TORCH_CHECK(x.sizes() == res.sizes() && x.scalar_type() == res.scalar_type(), "x and residual must match");
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  auto sum = at::empty_like(x), out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lt_add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = res.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_rows(h), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t j = 0; j < h; ++j)
+          sp[r * h + j] = rnd<scalar_t>(static_cast<float>(rp[r * h + j]) + static_cast<float>(xp[r * h + j]));
+        rms_norm_row(sp + r * h, wp, op + r * h, h, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, sum};
+}
+
+// gate_up [T, 2I] (gate first) → silu(gate) * up [T, I] (SwiGLU, Shazeer 2020)
+at::Tensor lt_silu_and_mul(const at::Tensor& gu_in) {
+  const at::Tensor gu = gu_in.contiguous();
+  const int64_t two_i = gu.size(-1), inter = two_i / 2, rows = gu.numel() / two_i;
+  auto sizes = gu.sizes().vec();
+  sizes.back() = inter;
+  auto out = at::empty(sizes, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "lt_silu_and_mul", [&] {
+    const scalar_t* gp = gu.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_rows(two_i), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* g = gp + r * two_i;
+        const scalar_t* u = g + inter;
+        for (int64_t j = 0; j < inter; ++j) {
+          const float gv = static_cast<float>(g[j]);
+          const scalar_t s = rnd<scalar_t>(gv / (1.f + std::exp(-gv)));
+          op[r * inter + j] = rnd<scalar_t>(static_cast<float>(s) * static_cast<float>(u[j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotate-half RoPE (Su et al. 2021) of x [T, heads, D] (last dim contiguous, any row/head strides) with cos/sin
+// [T, 1, D] in x's dtype → a new contiguous [T, heads, D]: x * cos + rotate_half(x) * sin, rounded after each op.
+at::Tensor lt_rotary(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, heads, D] with a contiguous last dim");
+  const at::Tensor c = cos_in.to(x.scalar_type()).contiguous(), s = sin_in.to(x.scalar_type()).contiguous();
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(c.numel() == t * d && s.numel() == t * d, "cos/sin must be [T, 1, D]");
+  auto out = at::empty({t, heads, d}, x.options());
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lt_rotary", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = c.data_ptr<scalar_t>();
+    const scalar_t* sp = s.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, t * heads, grain_rows(d), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t ti = i / heads, hi = i % heads;
+        const scalar_t* xr = xp + ti * st + hi * sh;
+        const scalar_t* cr = cp + ti * d;
+        const scalar_t* sr = sp + ti * d;
+        scalar_t* orow = op + i * d;
+        for (int64_t j = 0; j < d; ++j) {
+          const float rot = j < half ? -static_cast<float>(xr[j + half]) : static_cast<float>(xr[j - half]);
+          const scalar_t a = rnd<scalar_t>(static_cast<float>(xr[j]) * static_cast<float>(cr[j]));
+          const scalar_t b = rnd<scalar_t>(static_cast<scalar_t>(rot) * static_cast<float>(sr[j]));
+          orow[j] = rnd<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Decode attention over a 16-bit paged cache: q [B, H, D] (one query row per sequence), k/v cache [KVH, S, D] (one
+// layer, head-major), slots int64 [B, L] (row b's context is slots[b, :lens[b]]), lens int64 [B] → [B, H, D] in q's
+// dtype. Scores, softmax and the weighted sum in float32; grouped-query heads share their KV head.
+at::Tensor lt_decode_attention(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor& vc,
+                               const at::Tensor& slots_in, const at::Tensor& lens_in, double scale) {
+  const at::Tensor q = q_in.contiguous(), slots = slots_in.to(at::kLong).contiguous(),
+                   lens = lens_in.to(at::kLong).contiguous();
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3, "k/v cache must be contiguous [KVH, S, D]");
+  TORCH_CHECK(kc.scalar_type() == q.scalar_type() && vc.scalar_type() == q.scalar_type(), "cache dtype must equal q's");
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), kvh = kc.size(0), s_all = kc.size(1), l = slots.size(1);
+  TORCH_CHECK(kc.size(2) == d && h % kvh == 0 && slots.size(0) == b && lens.numel() == b, "shape mismatch");
+  const int64_t g = h / kvh;
+  auto out = at::empty_like(q);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(ln[i] >= 1 && ln[i] <= l, "context length out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "lt_decode_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = kc.data_ptr<scalar_t>();
+    const scalar_t* vp = vc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, b * kvh, 1, [&](int64_t j0, int64_t j1) {
+      std::vector<float> qf(static_cast<size_t>(g * d)), sc(static_cast<size_t>(g * l)), acc(static_cast<size_t>(g * d));
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t bi = j / kvh, hk = j % kvh, n = ln[bi];
+        for (int64_t gi = 0; gi < g; ++gi)
+          for (int64_t c = 0; c < d; ++c)
+            qf[gi * d + c] = static_cast<float>(qp[(bi * h + hk * g + gi) * d + c]) * static_cast<float>(scale);
+        const int64_t* srow = sl + bi * l;
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t slot = srow[t];
+          TORCH_CHECK(slot >= 0 && slot < s_all, "slot out of range");
+          const scalar_t* kr = kp + (hk * s_all + slot) * d;
+          for (int64_t gi = 0; gi < g; ++gi) sc[gi * l + t] = dot_lanes(qf.data() + gi * d, kr, d);
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sc[gi * l + t]);
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; ++t) {
+            const float e = std::exp(sc[gi * l + t] - mx);
+            sc[gi * l + t] = e;
+            sum += e;
+          }
+          const float inv = 1.f / sum;
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = sc[gi * l + t] * inv;
+            const scalar_t* vr = vp + (hk * s_all + srow[t]) * d;
+            float* a = acc.data() + gi * d;
+            for (int64_t c = 0; c < d; ++c) a[c] += p * static_cast<float>(vr[c]);
+          }
+          for (int64_t c = 0; c < d; ++c) op[(bi * h + hk * g + gi) * d + c] = static_cast<scalar_t>(acc[gi * d + c]);
+        }
+      }
+    });
+  });
+  return out;
+}
