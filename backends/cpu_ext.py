@@ -68,6 +68,7 @@ def load():
 
             d = build_dir()
             d.mkdir(parents=True, exist_ok=True)
+            _clear_stale_lock(d)
             module = cpp_load(name=f"liteturbo_cpu_{d.name.rsplit('_', 1)[-1]}", sources=[str(p) for p in _SOURCES],
                               extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
         except Exception as e:  # no compiler / ninja, a failed build: keep the torch kernels
@@ -79,6 +80,26 @@ def load():
             module = None
         _state["module"] = module
         return module
+
+
+STALE_LOCK_SECONDS = 600
+
+
+def _clear_stale_lock(d: Path) -> None:
+    """torch's builder waits on ``<build dir>/lock`` while another process compiles; a build killed midway (Ctrl-C)
+    leaves it behind and every later start would wait forever. A lock older than :data:`STALE_LOCK_SECONDS` (a build
+    takes well under a minute) is removed, with a warning."""
+    import time
+
+    lock = d / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"liteturbo: removing a stale build lock {lock} ({age / 60:.0f} minutes old; an interrupted "
+                      f"build) before compiling the C++ CPU kernels", RuntimeWarning, stacklevel=3)
+        lock.unlink(missing_ok=True)
 
 
 def pack_w4_cpu(codes: torch.Tensor) -> torch.Tensor:

@@ -114,6 +114,22 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
     assert type(be.prepare_w4a16(_qw(64, 576, 64, seed=1), torch.bfloat16)).__name__ == "Int4PackHandle"
 
 
+def test_a_stale_build_lock_is_removed(tmp_path):
+    """An interrupted first build leaves torch's lock file; a later start must not wait on it forever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_ext._clear_stale_lock(tmp_path)
+    assert lock.exists()  # fresh: another process may be compiling right now
+    old = time.time() - cpu_ext.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="removing a stale build lock"):
+        cpu_ext._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+
+
 @pytest.mark.parametrize("shape", [(64, 576, 32), (48, 96, 32)])
 def test_layouts_the_kernel_cannot_take_use_the_torch_kernels(shape):
     """in_features not a multiple of 64 (96) stays on int4pack; 4-bit with K % 64 == 0 goes to the kernel."""
