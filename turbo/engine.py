@@ -189,7 +189,8 @@ class Engine:
         lm_int8 = self.config.lm_head == "int8" or (
             self.config.lm_head == "auto" and bool(raw_cfg.get("quantization_config"))
             and self.backend.device.type == "cpu" and self.dtype != torch.float32)
-        self._check_fits_before_loading(raw_cfg, lm_int8)
+        plan_model = self._plan_model(raw_cfg, lm_int8)  # config + weight layout, read from the headers once
+        self._check_fits_before_loading(plan_model, lm_int8)
         self.model = LlamaModel.from_pretrained(self.path, self.backend, self.dtype, lm_head_int8=lm_int8)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
@@ -200,7 +201,7 @@ class Engine:
         bs = self.config.block_size
         self.kv_cache_dtype = self.config.kv_storage_dtype()
         self.kv_params = self._kv_params(raw_cfg)
-        num_blocks = self._pool_blocks(raw_cfg, lm_int8)
+        num_blocks = self._pool_blocks(plan_model, lm_int8)
         self.block_manager = BlockManager(num_blocks, bs, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_batched_tokens)
         try:
@@ -263,10 +264,10 @@ class Engine:
             c.max_batch_size, min(c.session_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings),
             c.batch_invariant, context_tokens)
 
-    def _check_fits_before_loading(self, raw_cfg: dict, lm_int8: bool) -> None:
+    def _check_fits_before_loading(self, plan_model, lm_int8: bool) -> None:
         """Refuse, before reading any weight, a model whose weights and step workspace exceed the free memory
         (memory other processes use is not free), naming the shortfall and what would help."""
-        mcfg, wc = self._plan_model(raw_cfg, lm_int8)
+        mcfg, wc = plan_model
         weights = sum(planner.weight_breakdown(mcfg, type(self.backend), self.platform.device.type, self.dtype,
                                                wc).values())
         self.kv_cache_dtype = self.config.kv_storage_dtype()
@@ -284,14 +285,14 @@ class Engine:
                 + f"lower max_num_batched_tokens / max_batch_size / session_len, free memory, or use a larger "
                   f"device; `liteturbo plan {self.path}` shows the accounting")
 
-    def _pool_blocks(self, raw_cfg: dict, lm_int8: bool) -> int:
+    def _pool_blocks(self, plan_model, lm_int8: bool) -> int:
         """KV blocks to allocate (see :mod:`turbo.planner`: ``free − workspace`` after the weights are loaded,
-        the first pool option that is set, or the default), counting the real bytes of a block in the chosen KV
+        sized by the one pool option given, or the default), counting the real bytes of a block in the chosen KV
         dtype (scales included). Raises ``LiteturboError`` naming the shortfall and the options that would fit when
         the pool, or one session of an explicit ``session_len``, does not fit."""
         cfg = self.config
         bs = cfg.block_size
-        mcfg, wc = self._plan_model(raw_cfg, lm_int8)
+        mcfg, wc = plan_model
         block_bytes = self._kv_spec(1).bytes_per_block()
         free = self._free_memory()
         accel = self.platform.kind != "cpu"

@@ -148,6 +148,19 @@ def _tensors(obj):
             yield from _tensors(getattr(obj, f.name))
 
 
+def storage_nbytes(obj, seen: set[int] | None = None) -> int:
+    """Bytes allocated for every tensor inside ``obj`` (see :func:`_tensors`), each storage counted once; storages
+    already in ``seen`` (data pointers, updated) are skipped, so parts that share a table are not counted twice."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in _tensors(obj):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
 class Layer:
     """Weights of one decoder layer (q/k/v and gate/up fused)."""
 
@@ -364,13 +377,7 @@ class LlamaModel:
         seen: set[int] = set()
 
         def size(*objs) -> int:
-            total = 0
-            for t in _tensors(objs):
-                key = t.untyped_storage().data_ptr()
-                if key not in seen:
-                    seen.add(key)
-                    total += t.untyped_storage().nbytes()
-            return total
+            return storage_nbytes(objs, seen)
 
         norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]
         return {"decoder linears": size(*[(l.qkv, l.o, l.gate_up, l.down) for l in self.layers]),
