@@ -1,6 +1,6 @@
 """liteturbo's C++ CPU kernels (``backends/csrc/*.cpp``), compiled at first use with torch's ``cpp_extension``:
-a W4A16 GEMM, fused RMSNorm / residual-add + RMSNorm / SiLU-and-mul / rotary, and decode attention over a 16-bit
-paged KV cache.
+a W4A16 GEMM, fused RMSNorm / residual-add + RMSNorm / SiLU-and-mul / rotary, and paged attention (prefill and decode
+rows through the block tables) over a 16/32-bit KV cache.
 
 The build uses the machine's compiler with ``-O3 -march=native`` (AVX-512 BF16 where the CPU has it, else what the
 compiler vectorizes for the CPU: AVX2 on most x86 machines) and is cached under ``$LITETURBO_HOME/torch_ext/``
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC / "ext.cpp", _CSRC / "w4a16_cpu.cpp", _CSRC / "ops_cpu.cpp"]
+_SOURCES = [_CSRC / "ext.cpp", _CSRC / "w4a16_cpu.cpp", _CSRC / "ops_cpu.cpp", _CSRC / "attention_cpu.cpp"]
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]  # no FMA contraction: round as torch does
 _lock = threading.Lock()
 _state: dict = {}
@@ -56,7 +56,8 @@ def build_dir() -> Path:
 def load():
     """The compiled module, or ``None`` when disabled or when it cannot be built here (warned once, with the reason
     and the fallback). Functions: ``w4a16_mm``, ``has_avx512_bf16`` (``csrc/w4a16_cpu.cpp``); ``rms_norm``,
-    ``add_rms_norm``, ``silu_and_mul``, ``rotary``, ``decode_attention`` (``csrc/ops_cpu.cpp``)."""
+    ``add_rms_norm``, ``silu_and_mul``, ``rotary`` (``csrc/ops_cpu.cpp``); ``paged_attention``
+    (``csrc/attention_cpu.cpp``)."""
     if not enabled():
         return None
     with _lock:

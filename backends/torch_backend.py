@@ -6,7 +6,8 @@ once by ``aten._convert_weight_to_int4pack_for_cpu``); elsewhere, or for layouts
 cache object of :mod:`backends.kv_cache` (16-bit, int8 or int4, dequantized on gather).
 
 On CPUs where liteturbo's C++ extension builds (:mod:`backends.cpu_ext`), RMSNorm, residual add + RMSNorm and
-rotary run as one fused call each, and a lone decode row over a 16-bit cache uses its decode-attention kernel
+rotary run as one fused call each, and attention over a 16-bit cache (prefill, chunked prefill and decode rows of a
+step together) runs in its paged-attention kernel, reading K/V in place through the block tables
 (``cpu_kernels=False`` keeps the torch ops); ``cpu_w4a16=True`` also routes 4-bit linears to its W4A16 GEMM (not the
 default: torch's int4pack is faster here so far, `python bench/kernels.py`).
 """
@@ -217,7 +218,8 @@ class TorchBackend(Backend):
             "silu_and_mul": ref,
             "rotary": ("liteturbo C++ kernel (q and k read in place from the fused QKV)" if cpu else ref),
             "attention": ("torch SDPA (prefill) + batched matmul decode over the gathered paged KV"
-                          + ("; a lone 16-bit decode row: liteturbo C++ kernel over the block table" if cpu else "")),
+                          + ("; a 16-bit cache: liteturbo C++ paged attention over the block tables, all rows of a "
+                             "step in one call" if cpu else "")),
             "kv_write_int8": ref + " (quantize per token + index_copy)",
             "kv_write_int4": ref + " (quantize per token, pack nibbles + index_copy)",
         }
@@ -313,20 +315,29 @@ class TorchBackend(Backend):
 
     # --- paged KV --------------------------------------------------------------------------------
     def attention(self, q, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """SDPA per multi-token (prefill) sequence and for a lone decode row; two or more one-token (decode)
+        """With the C++ extension and a 16-bit cache (not ``batch_invariant``): every row of the step in one
+        ``paged_attention`` call (``backends/csrc/attention_cpu.cpp``; `python bench/cpu_ops.py`). Otherwise: SDPA
+        per multi-token (prefill) sequence and for a lone decode row; two or more one-token (decode)
         queries of the step together as two batched matmuls over their K/V, gathered and padded to the
         longest context (softmax in float32, padding masked): CPU SDPA takes ~10x longer for a batch of 32
         decode rows in bf16. K/V come from ``cache.gather`` (dequantized there for int8/int4 caches), in the
         space of ``cache.attention_query(q)``; ``cache.attention_output`` maps the result back."""
         kvh, d = cache.spec.num_kv_heads, cache.spec.head_dim
         q = cache.attention_query(layer, q)
-        # a lone decode row over a 16-bit cache: liteturbo's C++ kernel reads K/V in place through the slots (CPU)
-        fused = self.ext is not None and not cache.spec.quantized and not self.batch_invariant \
-            and cache.k[layer].dtype == q.dtype
+        # a 16-bit cache on a CPU with the C++ extension: every row (prefill, chunked prefill, decode) in one call
+        # that reads K/V in place through the block tables
+        if self.ext is not None and not cache.spec.quantized and not self.batch_invariant \
+                and cache.k[layer].dtype == q.dtype and meta.query_start[-1] == q.shape[0]:
+            paged = meta.scratch.get("cpu_paged_attn")
+            if paged is None:
+                paged = meta.scratch["cpu_paged_attn"] = _paged_rows(meta)
+            tables, row_seq, row_len = paged
+            o = self.ext.paged_attention(q, cache.k[layer], cache.v[layer], tables, meta.block_size, row_seq,
+                                         row_len, scale)
+            return cache.attention_output(layer, o)
         plan = meta.scratch.get("torch_attn")
         if plan is None:  # gather indices and masks are the same for every layer of the step
-            plan = meta.scratch["torch_attn"] = _attention_plan(meta, meta.block_size, q.device, self.batch_invariant,
-                                                                fused)
+            plan = meta.scratch["torch_attn"] = _attention_plan(meta, meta.block_size, q.device, self.batch_invariant)
         singles, decode = plan
         out = q.new_empty(q.shape) if len(singles) > 1 or decode is not None else None
         for qs, qe, slots, mask, causal in singles:
@@ -345,11 +356,7 @@ class TorchBackend(Backend):
             if out is None:
                 return cache.attention_output(layer, o)
             out[qs:qe] = o
-        if decode is not None and decode[0] == "fused":
-            _, rows, idx, lens = decode
-            o = self.ext.decode_attention(q.index_select(0, rows), cache.k[layer], cache.v[layer], idx, lens, scale)
-            out.index_copy_(0, rows, o)
-        elif decode is not None:
+        if decode is not None:
             rows, idx, pad = decode  # idx [B, L] slots (padded with a row's own last slot), pad [1, B, 1, L]
             b, length = idx.shape
             kb, vb = cache.gather(layer, idx.view(-1))
@@ -381,11 +388,26 @@ def _int8_tiled_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, tile:
     return y
 
 
-def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batch_invariant: bool = False,
-                    fused_decode: bool = False):
-    """Per step: (single-sequence jobs, batched-decode job or None). ``fused_decode``: a lone one-token row goes to
-    the decode job as ``("fused", rows, slots [1, L], lens [1])`` for the C++ kernel (`python bench/cpu_ops.py`: 6.8x faster
-    than SDPA at 60 tokens of context, even at 1,000; a batch of rows stays on the batched matmuls, which win there)."""
+def _paged_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of the C++ ``paged_attention`` for a step: block tables int32 ``[num_seqs, max_blocks]`` (zero-padded),
+    the sequence of every query row and the number of tokens it sees (causal: a row at position ``p`` sees ``p + 1``),
+    int32 ``[T]`` each."""
+    bs = meta.block_size
+    nblocks = [(c + bs - 1) // bs for c in meta.context_lens]
+    width = max(nblocks, default=1)
+    tables = torch.tensor([list(meta.block_tables[b][:n]) + [0] * (width - n) for b, n in enumerate(nblocks)],
+                          dtype=torch.int32)
+    row_seq, row_len = [], []
+    for b in range(meta.num_seqs):
+        t, ctx = meta.query_start[b + 1] - meta.query_start[b], meta.context_lens[b]
+        row_seq += [b] * t
+        row_len += range(ctx - t + 1, ctx + 1)
+    return tables, torch.tensor(row_seq, dtype=torch.int32), torch.tensor(row_len, dtype=torch.int32)
+
+
+def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batch_invariant: bool = False):
+    """Per step: (single-sequence jobs, batched-decode job or None) for the torch path (no C++ extension, an
+    int8/int4 cache, or ``batch_invariant``)."""
     singles, dec = [], []
     for b in range(meta.num_seqs):
         qs, qe = meta.query_start[b], meta.query_start[b + 1]
@@ -401,14 +423,6 @@ def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batc
             mask = torch.arange(ctx, device=device).unsqueeze(0) <= rows
         singles.append((qs, qe, slots.to(device), mask, t == ctx))
     decode = None
-    if fused_decode and len(dec) == 1:
-        length = max(len(sl) for _, sl in dec)
-        idx = torch.zeros(len(dec), length, dtype=torch.long)
-        for i, (_, sl) in enumerate(dec):
-            idx[i, :len(sl)] = sl
-        lens = torch.tensor([len(sl) for _, sl in dec], dtype=torch.long)
-        rows = torch.tensor([qs for qs, _ in dec], dtype=torch.long)
-        return singles, ("fused", rows.to(device), idx.to(device), lens.to(device))
     # one decode row: SDPA on its exact context, no mask (`python bench/kernels.py`: 50 vs 68 us at 64 tokens
     # of context, but 115 vs 73 us at 192: the matmul path wins for longer chats; not re-tuned yet)
     if len(dec) == 1 and not batch_invariant:

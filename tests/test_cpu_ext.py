@@ -179,58 +179,95 @@ def test_fused_elementwise_match_the_torch_ops(dtype, rows):
     assert torch.equal(qa, qb) and torch.equal(ka, kb)  # one product each, rounded as torch rounds
 
 
-def _decode_ref(q, kc, vc, slots, lens, scale):
+def _paged_ref(q, kc, vc, tables, bs, row_seq, row_len, scale):
+    """float64 attention of each row over its sequence's first ``row_len`` tokens, read through the block table."""
     out = torch.empty(q.shape, dtype=torch.float64)
     kvh = kc.shape[0]
     g = q.shape[1] // kvh
-    for b in range(q.shape[0]):
-        sl = slots[b, :lens[b]]
+    for r in range(q.shape[0]):
+        t = torch.arange(int(row_len[r]))
+        sl = tables[int(row_seq[r])][t // bs].long() * bs + t % bs
         k, v = kc[:, sl].double(), vc[:, sl].double()  # [KVH, n, D]
-        qb = q[b].double().view(kvh, g, -1)
+        qb = q[r].double().view(kvh, g, -1)
         p = torch.softmax(qb @ k.transpose(1, 2) * scale, -1)
-        out[b] = (p @ v).reshape(q.shape[1], -1)
+        out[r] = (p @ v).reshape(q.shape[1], -1)
     return out
 
 
-@needs_ext
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("lens", [[1], [5, 64, 130], [300] * 4])
-def test_decode_attention_matches_float64(dtype, lens):
-    g = torch.Generator().manual_seed(len(lens))
-    kvh, h, d, slots_total = 3, 9, 64, 2048
-    kc, vc = torch.randn(kvh, slots_total, d, generator=g).to(dtype), torch.randn(kvh, slots_total, d, generator=g).to(dtype)
-    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
-    slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
-    for i, n in enumerate(lens):
-        slots[i, :n] = torch.randperm(slots_total, generator=g)[:n]
-    lens_t = torch.tensor(lens)
-    out = TorchBackend("cpu").ext.decode_attention(q, kc, vc, slots, lens_t, d ** -0.5)
-    ref = _decode_ref(q, kc, vc, slots, lens_t, d ** -0.5)
-    tol = 1e-5 if dtype == torch.float32 else 8e-3
-    assert out.dtype == dtype and (out.double() - ref).abs().max().item() <= tol * ref.abs().max().item() + 1e-6
+def _paged_case(seed, dtype, heads, kv_heads, d, seqs, bs=16, num_blocks=96):
+    """Random cache, shuffled block tables and query rows for ``seqs`` = [(query rows, context length)]: the rows
+    of a sequence are its last tokens (causal), as a step lays out prefill, chunked-prefill and decode rows."""
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(kv_heads, num_blocks * bs, d, generator=g).to(dtype)
+    vc = torch.randn(kv_heads, num_blocks * bs, d, generator=g).to(dtype)
+    width = max((ctx + bs - 1) // bs for _, ctx in seqs)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.stack([perm[i * width:(i + 1) * width] for i in range(len(seqs))]).int()
+    row_seq = torch.tensor([i for i, (t, _) in enumerate(seqs) for _ in range(t)], dtype=torch.int32)
+    row_len = torch.tensor([p + 1 for t, ctx in seqs for p in range(ctx - t, ctx)], dtype=torch.int32)
+    q = torch.randn(len(row_seq), heads, d, generator=g).to(dtype)
+    return q, kc, vc, tables, bs, row_seq, row_len
 
 
 @needs_ext
-def test_decode_attention_refuses_bad_slots():
-    be = TorchBackend("cpu")
-    kc = torch.zeros(1, 8, 4)
-    with pytest.raises(RuntimeError, match="slot out of range"):
-        be.ext.decode_attention(torch.zeros(1, 1, 4), kc, kc, torch.tensor([[9]]), torch.tensor([1]), 1.0)
-    with pytest.raises(RuntimeError, match="context length out of range"):
-        be.ext.decode_attention(torch.zeros(1, 1, 4), kc, kc, torch.tensor([[0]]), torch.tensor([2]), 1.0)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 32), (6, 2, 48), (8, 1, 128), (2, 1, 20)])
+@pytest.mark.parametrize("seqs", [[(1, 1)], [(1, 5), (1, 64), (1, 130)], [(17, 17)], [(3, 40), (1, 300), (64, 64)]])
+def test_paged_attention_matches_float64(dtype, heads, kv_heads, d, seqs):
+    """Decode rows of ragged contexts, a causal prefill, a chunk after cached context, mixed in one call; head dims
+    on the AVX-512 path (multiples of 16) and off it (20); the output is fully written (poisoned beforehand)."""
+    q, kc, vc, tables, bs, row_seq, row_len = _paged_case(len(seqs) * d + heads, dtype, heads, kv_heads, d, seqs)
+    ext = TorchBackend("cpu").ext
+    out = ext.paged_attention(q, kc, vc, tables, bs, row_seq, row_len, d ** -0.5)
+    ref = _paged_ref(q, kc, vc, tables, bs, row_seq, row_len, d ** -0.5)
+    tol = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    assert out.dtype == dtype and out.shape == q.shape and torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+@needs_ext
+def test_paged_attention_rows_do_not_depend_on_the_others():
+    """A row's result is the same alone and among other rows (no cross-row reduction; threads split rows only)."""
+    q, kc, vc, tables, bs, row_seq, row_len = _paged_case(7, torch.bfloat16, 9, 3, 64, [(5, 70), (1, 33), (1, 200)])
+    ext = TorchBackend("cpu").ext
+    full = ext.paged_attention(q, kc, vc, tables, bs, row_seq, row_len, 0.125)
+    for r in (0, 4, 5, 6):
+        one = ext.paged_attention(q[r:r + 1], kc, vc, tables, bs, row_seq[r:r + 1], row_len[r:r + 1], 0.125)
+        assert torch.equal(one[0], full[r])
+
+
+@needs_ext
+def test_paged_attention_refuses_bad_tables():
+    ext = TorchBackend("cpu").ext
+    kc = torch.zeros(1, 32, 4)
+    q = torch.zeros(1, 1, 4)
+    one = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block 5 out of range"):
+        ext.paged_attention(q, kc, kc, torch.tensor([[5]]), 16, torch.tensor([0]), one, 1.0)
+    with pytest.raises(RuntimeError, match="context length 17 out of range"):
+        ext.paged_attention(q, kc, kc, torch.tensor([[0]]), 16, torch.tensor([0]), torch.tensor([17]), 1.0)
+    with pytest.raises(RuntimeError, match="sequence index 1 out of range"):
+        ext.paged_attention(q, kc, kc, torch.tensor([[0]]), 16, torch.tensor([1]), one, 1.0)
+    with pytest.raises(RuntimeError, match="cache dtype"):
+        ext.paged_attention(q.bfloat16(), kc, kc, torch.tensor([[0]]), 16, torch.tensor([0]), one, 1.0)
 
 
 @needs_ext
 @pytest.mark.slow
 def test_engine_greedy_unchanged_with_the_cpu_kernels(smollm2_path, smollm2_rtn_g64):
-    """float32: the same greedy tokens with and without the extension; bf16 W4A16: the same for most prompts and
-    logits within 16-bit rounding (the kernels reduce in another order)."""
+    """float32: the same greedy tokens with and without the extension. bf16 W4A16: the C++ attention keeps its
+    softmax and sums in float32 where torch's SDPA rounds to bf16 in between, so long greedy runs part after a few
+    tokens; the stated tolerance is on the numbers: the first greedy token of every prompt is the same and the mean
+    next-token NLL of 384 tokens of WikiText-2 valid agrees within 1 %."""
+    import calib_data
     from turbo import Engine, EngineConfig
+    from turbo.perplexity import window_nll
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot",
                "List three colors:"]
+    text = "".join(calib_data.load_rows("wikitext2", "valid"))[:4000]
     for path, dtype in ((smollm2_path, "float32"), (smollm2_rtn_g64, "bfloat16")):
-        outs = {}
+        outs, nll = {}, {}
         for flag in ("1", "0"):
             import os
 
@@ -245,8 +282,10 @@ def test_engine_greedy_unchanged_with_the_cpu_kernels(smollm2_path, smollm2_rtn_
                     os.environ["LITETURBO_CPU_EXT"] = old
             assert (e.backend.ext is not None) == (flag == "1")
             outs[flag] = [o.token_ids for o in e.generate(prompts, max_new_tokens=24, ignore_eos=True)]
+            nll[flag] = window_nll(e, e.encode(text)[:384], chunk=128)
         if dtype == "float32":
             assert outs["1"] == outs["0"]
+            assert nll["1"] == pytest.approx(nll["0"], rel=1e-5)
         else:
-            same = sum(a == b for a, b in zip(outs["1"], outs["0"]))
-            assert same >= len(prompts) - 1, outs
+            assert [o[0] for o in outs["1"]] == [o[0] for o in outs["0"]]
+            assert nll["1"] == pytest.approx(nll["0"], rel=0.01), nll

@@ -11,8 +11,9 @@ std::tuple<at::Tensor, at::Tensor> lt_add_rms_norm(const at::Tensor& x, const at
                                                    const at::Tensor& weight, double eps);
 at::Tensor lt_silu_and_mul(const at::Tensor& gate_up);
 at::Tensor lt_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor lt_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                               const at::Tensor& slots, const at::Tensor& lens, double scale);
+at::Tensor lt_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, int64_t block_size, const at::Tensor& row_seq,
+                              const at::Tensor& row_len, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_mm", &w4a16_mm, "W4A16 GEMM: x [M, K] x packed 4-bit weight -> float32 [M, N] (w4a16_cpu.cpp)");
@@ -21,5 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &lt_add_rms_norm, "residual add + RMSNorm -> (normed, sum)");
   m.def("silu_and_mul", &lt_silu_and_mul, "silu(gate) * up for gate_up [T, 2I]");
   m.def("rotary", &lt_rotary, "rotate-half RoPE of [T, heads, D] -> contiguous copy");
-  m.def("decode_attention", &lt_decode_attention, "one-row-per-sequence attention over a 16-bit paged cache");
+  m.def("paged_attention", &lt_paged_attention,
+        "attention of prefill and decode rows over a 16/32-bit paged cache through block tables (attention_cpu.cpp)");
 }

@@ -1,0 +1,226 @@
+// Paged attention for CPUs over a 16/32-bit KV cache, for every kind of query row a step holds: prefill rows (causal,
+// each row sees its own prefix), chunked-prefill rows after cached context, and decode rows of many sequences.
+//
+// q [R, H, D]; k/v cache [KVH, S, D] (one layer, head-major, slot = block * block_size + offset);
+// block_tables int32 [NS, MB] (sequence s's token t lives in slot block_tables[s, t / bs] * bs + t % bs);
+// row_seq int32 [R] (the sequence of query row r), row_len int32 [R] (row r attends to tokens 0 .. row_len[r] - 1
+// of its sequence: a causal prefill row at position p has row_len p + 1) → out [R, H, D] in q's dtype.
+// Scores, softmax and the weighted sum of values in float32 (softmax: max-subtracted exp, one division);
+// the query heads of a grouped-query group share each load of their KV head's keys and values.
+//
+// Work items are (row, KV head) pairs, ordered so that the long and the short rows of a causal prefill alternate
+// (a contiguous split of the items then gives each thread about the same work). With AVX-512 the key and value rows
+// are converted to float32 16 lanes at a time and exp is a degree-6 polynomial with scalef (about 2 ulp); other
+// builds use the portable loop.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LT_ATTN_AVX512 1
+#else
+#define LT_ATTN_AVX512 0
+#endif
+
+namespace {
+
+#if LT_ATTN_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor polynomial to
+// degree 6 (relative error < 2e-7), times 2^n by scalef (0 below -87: underflow, as expf).
+inline __m512 exp_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even, as c10::BFloat16 does (NaN kept NaN)
+  __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+inline void store16(at::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+constexpr int kMaxGroup = 16;   // query heads per KV head handled in registers
+constexpr int kMaxChunks = 16;  // head_dim up to 256
+
+// One work item: the g query heads of KV head hk for one row, head_dim d (a multiple of 16).
+template <typename T>
+void attend_avx512(const T* q, const T* kp, const T* vp, const int32_t* table, int64_t bs, int64_t n, int64_t g,
+                   int64_t d, int64_t s_all, int64_t hk, float scale, float* sc, T* out, int64_t out_head_stride) {
+  const int64_t chunks = d / 16;
+  __m512 qv[kMaxGroup][kMaxChunks];
+  for (int64_t gi = 0; gi < g; ++gi)
+    for (int64_t c = 0; c < chunks; ++c) qv[gi][c] = _mm512_mul_ps(load16(q + gi * d + 16 * c), _mm512_set1_ps(scale));
+  const int64_t lda = ((n + 15) / 16) * 16;  // scores of head gi start at sc + gi * lda
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+    const T* kr = kp + (hk * s_all + slot) * d;
+    __m512 kv[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(kr + 16 * c);
+    for (int64_t gi = 0; gi < g; ++gi) {
+      __m512 a = _mm512_mul_ps(qv[gi][0], kv[0]);
+      for (int64_t c = 1; c < chunks; ++c) a = _mm512_fmadd_ps(qv[gi][c], kv[c], a);
+      sc[gi * lda + t] = _mm512_reduce_add_ps(a);
+    }
+  }
+  float inv[kMaxGroup];
+  for (int64_t gi = 0; gi < g; ++gi) {
+    float* s = sc + gi * lda;
+    for (int64_t t = n; t < lda; ++t) s[t] = -std::numeric_limits<float>::infinity();
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < lda; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < lda; t += 16) {
+      const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+      const __mmask16 valid = t + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1u);
+      const __m512 em = _mm512_maskz_mov_ps(valid, e);
+      _mm512_storeu_ps(s + t, em);
+      sum = _mm512_add_ps(sum, em);
+    }
+    inv[gi] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[kMaxGroup][kMaxChunks];
+  for (int64_t gi = 0; gi < g; ++gi)
+    for (int64_t c = 0; c < chunks; ++c) acc[gi][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+    const T* vr = vp + (hk * s_all + slot) * d;
+    __m512 vv[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(vr + 16 * c);
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const __m512 p = _mm512_set1_ps(sc[gi * lda + t]);
+      for (int64_t c = 0; c < chunks; ++c) acc[gi][c] = _mm512_fmadd_ps(p, vv[c], acc[gi][c]);
+    }
+  }
+  for (int64_t gi = 0; gi < g; ++gi)
+    for (int64_t c = 0; c < chunks; ++c)
+      store16(out + gi * out_head_stride + 16 * c, _mm512_mul_ps(acc[gi][c], _mm512_set1_ps(inv[gi])));
+}
+#endif
+
+// The portable definition (any head_dim, builds without AVX-512).
+template <typename T>
+void attend_portable(const T* q, const T* kp, const T* vp, const int32_t* table, int64_t bs, int64_t n, int64_t g,
+                     int64_t d, int64_t s_all, int64_t hk, float scale, float* sc, T* out, int64_t out_head_stride) {
+  std::vector<float> qf(static_cast<size_t>(g * d)), acc(static_cast<size_t>(g * d), 0.f);
+  for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+    const T* kr = kp + (hk * s_all + slot) * d;
+    for (int64_t gi = 0; gi < g; ++gi) {
+      float a = 0.f;
+      for (int64_t c = 0; c < d; ++c) a += qf[gi * d + c] * static_cast<float>(kr[c]);
+      sc[gi * n + t] = a;
+    }
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {
+    float* s = sc + gi * n;
+    const float mx = *std::max_element(s, s + n);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx));
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+      const T* vr = vp + (hk * s_all + slot) * d;
+      for (int64_t c = 0; c < d; ++c) acc[gi * d + c] += s[t] * static_cast<float>(vr[c]);
+    }
+    for (int64_t c = 0; c < d; ++c) out[gi * out_head_stride + c] = static_cast<T>(acc[gi * d + c] * inv);
+  }
+}
+
+}  // namespace
+
+at::Tensor lt_paged_attention(const at::Tensor& q_in, const at::Tensor& kc, const at::Tensor& vc,
+                              const at::Tensor& tables_in, int64_t block_size, const at::Tensor& row_seq_in,
+                              const at::Tensor& row_len_in, double scale) {
+  const at::Tensor q = q_in.contiguous(), tables = tables_in.to(at::kInt).contiguous(),
+                   row_seq = row_seq_in.to(at::kInt).contiguous(), row_len = row_len_in.to(at::kInt).contiguous();
+  TORCH_CHECK(q.dim() == 3, "q must be [R, H, D]");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 && vc.sizes() == kc.sizes(),
+              "k/v cache must be contiguous [KVH, S, D] of the same shape");
+  TORCH_CHECK(kc.scalar_type() == q.scalar_type() && vc.scalar_type() == q.scalar_type(), "cache dtype must equal q's");
+  const int64_t r_all = q.size(0), h = q.size(1), d = q.size(2), kvh = kc.size(0), s_all = kc.size(1);
+  TORCH_CHECK(kc.size(2) == d && h % kvh == 0, "q has ", h, " heads of ", d, ", the cache ", kvh, " of ", kc.size(2));
+  TORCH_CHECK(tables.dim() == 2 && row_seq.numel() == r_all && row_len.numel() == r_all, "shape mismatch");
+  TORCH_CHECK(block_size >= 1 && s_all % block_size == 0, "block_size must divide the cache's slots");
+  const int64_t g = h / kvh, ns = tables.size(0), mb = tables.size(1);
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* rs = row_seq.data_ptr<int32_t>();
+  const int32_t* rl = row_len.data_ptr<int32_t>();
+  int64_t max_len = 1;
+  for (int64_t r = 0; r < r_all; ++r) {
+    TORCH_CHECK(rs[r] >= 0 && rs[r] < ns, "row ", r, ": sequence index ", rs[r], " out of range");
+    TORCH_CHECK(rl[r] >= 1 && rl[r] <= mb * block_size, "row ", r, ": context length ", rl[r], " out of range");
+    const int32_t* row_table = tp + rs[r] * mb;
+    for (int64_t b = 0; b < (rl[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(row_table[b] >= 0 && (row_table[b] + 1) * block_size <= s_all, "row ", r, ": block ",
+                  row_table[b], " out of range");
+    max_len = std::max<int64_t>(max_len, rl[r]);
+  }
+  auto out = at::empty_like(q);
+  const int64_t items = r_all * kvh;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "lt_paged_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = kc.data_ptr<scalar_t>();
+    const scalar_t* vp = vc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> sc(static_cast<size_t>(g * (((max_len + 15) / 16) * 16)));
+      for (int64_t i = i0; i < i1; ++i) {
+        // alternate the two ends of the row range: rows of a causal prefill grow in cost with their index
+        const int64_t k = i / kvh, hk = i % kvh;
+        const int64_t r = (k % 2 == 0) ? k / 2 : r_all - 1 - k / 2;
+        const int64_t n = rl[r];
+        const int32_t* table = tp + rs[r] * mb;
+        const scalar_t* qr = qp + (r * h + hk * g) * d;
+        scalar_t* orow = op + (r * h + hk * g) * d;
+#if LT_ATTN_AVX512
+        if constexpr (!std::is_same_v<scalar_t, double>) {
+          if (d % 16 == 0 && d <= 16 * kMaxChunks && g <= kMaxGroup) {
+            attend_avx512<scalar_t>(qr, kp, vp, table, block_size, n, g, d, s_all, hk, static_cast<float>(scale),
+                                    sc.data(), orow, d);
+            continue;
+          }
+        }
+#endif
+        attend_portable<scalar_t>(qr, kp, vp, table, block_size, n, g, d, s_all, hk, static_cast<float>(scale),
+                                  sc.data(), orow, d);
+      }
+    });
+  });
+  return out;
+}
