@@ -23,6 +23,9 @@ class Backend(ABC):
     # quantized linear is dequantized into a dense weight for one GEMM
     paged_attention: bool = False
     dequant_min_rows: int = 1 << 62
+    # from how many rows an int8 lm_head whose weight is tied to the 16-bit embedding table multiplies by that
+    # table instead (same storage, no extra memory); never by default
+    dense_lm_head_min_rows: int = 1 << 62
 
     def __init__(self, device: torch.device | str = "cpu", batch_invariant: bool = False) -> None:
         self.device = torch.device(device)

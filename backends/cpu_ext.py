@@ -8,7 +8,7 @@ keyed by the sources, the flags, torch's version and the CPU's flags, so a later
 When compiling is impossible (no compiler, no ninja, a failed build) :func:`load` warns once and returns ``None``,
 and the torch backend keeps its pure-torch kernels. ``LITETURBO_CPU_EXT=0`` turns the extension off.
 
-:func:`pack_w4_cpu` builds the weight layout the kernel reads (see ``backends/csrc/w4a16_cpu.cpp``).
+:func:`pack_w4_tiles` builds the weight layout the W4A16 GEMM reads (see ``backends/csrc/w4a16_gemm_cpu.cpp``).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC / "ext.cpp", _CSRC / "w4a16_cpu.cpp", _CSRC / "ops_cpu.cpp", _CSRC / "attention_cpu.cpp"]
+_SOURCES = [_CSRC / "ext.cpp", _CSRC / "w4a16_gemm_cpu.cpp", _CSRC / "ops_cpu.cpp", _CSRC / "attention_cpu.cpp"]
+_HEADERS = [_CSRC / "avx512_math.h"]  # part of the cache key, not compiled on their own
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]  # no FMA contraction: round as torch does
 _lock = threading.Lock()
 _state: dict = {}
@@ -48,14 +49,14 @@ def build_dir() -> Path:
     """Where the compiled extension is cached for this source, flags, torch version and CPU."""
     from lite.formats.checkpoint import liteturbo_home
 
-    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in _SOURCES), " ".join(_FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(),
                                      torch.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
     return liteturbo_home() / "torch_ext" / f"liteturbo_cpu_{key}"
 
 
 def load():
     """The compiled module, or ``None`` when disabled or when it cannot be built here (warned once, with the reason
-    and the fallback). Functions: ``w4a16_mm``, ``has_avx512_bf16`` (``csrc/w4a16_cpu.cpp``); ``rms_norm``,
+    and the fallback). Functions: ``w4a16_tiles_mm``, ``has_w4_tiles`` (``csrc/w4a16_gemm_cpu.cpp``); ``rms_norm``,
     ``add_rms_norm``, ``silu_and_mul``, ``rotary`` (``csrc/ops_cpu.cpp``); ``paged_attention``
     (``csrc/attention_cpu.cpp``)."""
     if not enabled():
@@ -103,11 +104,19 @@ def _clear_stale_lock(d: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def pack_w4_cpu(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes ``[N, K]`` in ``[0, 16)`` (``K`` a multiple of 64) → uint8 ``[N, K/2]``: per block of 64 channels,
-    byte ``j`` = code ``j`` (low nibble) | code ``32 + j`` (high nibble)."""
+def pack_w4_tiles(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                             torch.Tensor]:
+    """The layout of ``w4a16_tiles_mm`` (``backends/csrc/w4a16_gemm_cpu.cpp``) from uint8 codes ``[N, K]`` in
+    ``[0, 16)``, integer zero points ``[N, G]`` and scales ``[N, G]`` (``N`` a multiple of 32, ``K`` of 4):
+    ``(packed uint8 [N/32, K/4, 64], zeros int16 [N/32, G, 2, 16], scales bfloat16 [N/32, G, 2, 16])``: half a byte
+    per weight plus 4 bytes per group and output channel."""
     n, k = codes.shape
-    if k % 64:
-        raise ValueError(f"the CPU W4A16 layout needs in_features divisible by 64, got {k}")
-    c = codes.to(torch.uint8).reshape(n, k // 64, 2, 32)
-    return (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(n, k // 2).contiguous()
+    if n % 32 or k % 4:
+        raise ValueError(f"the tiled W4A16 layout needs out_features % 32 == 0 and in_features % 4 == 0, got {n}x{k}")
+    g = zeros.shape[1]
+    c = codes.to(torch.uint8).view(n // 32, 2, 16, k // 4, 2, 2)  # [block, sub-block, channel, quad, high, pair]
+    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 3, 1, 2, 4).reshape(n // 32, k // 4, 64).contiguous()
+
+    def lanes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return t.to(dtype).view(n // 32, 2, 16, g).permute(0, 3, 1, 2).contiguous()
+    return packed, lanes(zeros, torch.int16), lanes(scales, torch.bfloat16)

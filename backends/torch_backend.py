@@ -6,10 +6,10 @@ once by ``aten._convert_weight_to_int4pack_for_cpu``); elsewhere, or for layouts
 cache object of :mod:`backends.kv_cache` (16-bit, int8 or int4, dequantized on gather).
 
 On CPUs where liteturbo's C++ extension builds (:mod:`backends.cpu_ext`), RMSNorm, residual add + RMSNorm and
-rotary run as one fused call each, and attention over a 16-bit cache (prefill, chunked prefill and decode rows of a
+rotary and SiLU-and-mul run as one fused call each, and attention over a 16-bit cache (prefill, chunked prefill and decode rows of a
 step together) runs in its paged-attention kernel, reading K/V in place through the block tables
-(``cpu_kernels=False`` keeps the torch ops); ``cpu_w4a16=True`` also routes 4-bit linears to its W4A16 GEMM (not the
-default: torch's int4pack is faster here so far, `python bench/kernels.py`).
+(``cpu_kernels=False`` keeps the torch ops); 4-bit linears of many rows (prefill chunks, decode batches) in bf16 run
+its tiled W4A16 GEMM (AVX-512 BF16), a few rows torch's int4pack.
 """
 from __future__ import annotations
 
@@ -32,10 +32,16 @@ class Int4PackHandle:
 
     ``packed`` uint8 ``[out, in/2]`` and ``scale_zeros`` ``[in/g, out, 2]`` feed
     ``aten._weight_int4pack_mm_for_cpu`` (fast for a few rows: its cost grows linearly with the rows).
-    ``nibbles`` uint8 ``[out, in/2]`` (byte ``j`` of a row: low nibble = code ``j``, high nibble = code
-    ``j + in/2``), ``scales``/``scaled_zeros`` ``[out, in/g, 1]`` in ``dtype`` rebuild the dense weight for inputs
-    of ``dequant_min_rows`` rows or more, which then go through one dense GEMM (see :func:`dequantize_nibbles`).
-    The codes are thus held twice: 1 byte per weight in all (a 16-bit weight takes 2).
+    For many rows, one of two copies of the codes:
+
+    - ``tiles`` (bf16 with liteturbo's C++ extension on an AVX-512 BF16 CPU, ``out`` a multiple of 32): the layout of
+      its ``w4a16_tiles_mm`` (``backends/cpu_ext.py:pack_w4_tiles``: packed codes, int16 zero points, bf16 scales),
+      used from ``tiles_min_rows`` rows;
+    - else ``nibbles`` uint8 ``[out, in/2]`` (byte ``j`` of a row: low nibble = code ``j``, high nibble = code
+      ``j + in/2``), ``scales``/``scaled_zeros`` ``[out, in/g, 1]`` in ``dtype``, which rebuild the dense weight for
+      inputs of ``dequant_min_rows`` rows or more, then one dense GEMM (see :func:`dequantize_nibbles`).
+
+    The codes are thus held twice: 1 byte per weight in all (a 16-bit weight takes 2), either way.
     """
 
     packed: torch.Tensor
@@ -48,46 +54,7 @@ class Int4PackHandle:
     nibbles: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     scaled_zeros: torch.Tensor | None = None
-
-
-@dataclass
-class CpuW4Handle:
-    """A 4-bit weight in the layout of liteturbo's C++ CPU kernel (``backends/csrc/w4a16_cpu.cpp``, loaded by
-    :mod:`backends.cpu_ext`): ``packed`` uint8 ``[out, in/2]`` (per 64 input channels, byte ``j`` = code ``j`` |
-    code ``32 + j`` << 4), ``scales`` float32 ``[out, groups]``, ``zoff`` int16 ``[out, groups]`` (16 − zero point),
-    ``bias`` in ``dtype``, ``in_perm`` int64 ``[in]`` for act-order. Half a byte per weight."""
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-    zoff: torch.Tensor
-    group_size: int
-    out_features: int
-    bias: torch.Tensor | None
-    dtype: torch.dtype
-    in_perm: torch.Tensor | None = None
-
-
-def cpu_kernel_supported(qw: QuantizedWeight, device: torch.device) -> bool:
-    """Whether the C++ CPU kernel can hold ``qw`` (4-bit, ``in_features`` a multiple of 64, group size a multiple of
-    32, trivial or regular act-order g_idx); the extension itself must also load (:func:`backends.cpu_ext.load`)."""
-    return (_cpu_kernel_shape_ok(qw.bits, qw.in_features, qw.effective_group_size, device.type)
-            and (qw.has_trivial_g_idx() or act_order_permutation(qw) is not None))
-
-
-def _cpu_kernel_shape_ok(bits: int, in_features: int, group_size: int, device_type: str) -> bool:
-    return device_type == "cpu" and bits == 4 and in_features % 64 == 0 and group_size % 32 == 0 \
-        and in_features % group_size == 0
-
-
-def pack_for_cpu_kernel(qw: QuantizedWeight, dtype: torch.dtype) -> CpuW4Handle:
-    """Repack canonical codes for the C++ kernel (exact: scales kept in float32, zero points as integers)."""
-    from .cpu_ext import pack_w4_cpu
-
-    perm = act_order_permutation(qw)
-    codes = qw.qweight if perm is None else qw.qweight[:, perm]
-    return CpuW4Handle(pack_w4_cpu(codes), qw.scales.float().t().contiguous(),
-                       (16 - qw.qzeros.to(torch.int16)).t().contiguous(), qw.effective_group_size, qw.out_features,
-                       None if qw.bias is None else qw.bias.to(dtype), dtype, perm)
+    tiles: tuple | None = None
 
 
 @dataclass
@@ -129,8 +96,9 @@ def _int4pack_shape_ok(bits: int, out_features: int, in_features: int, group_siz
     )
 
 
-def pack_int4_for_cpu(qw: QuantizedWeight, dtype: torch.dtype) -> Int4PackHandle:
-    """Repack canonical codes for ``aten._weight_int4pack_mm_for_cpu``.
+def pack_int4_for_cpu(qw: QuantizedWeight, dtype: torch.dtype, tiles: bool = False) -> Int4PackHandle:
+    """Repack canonical codes for ``aten._weight_int4pack_mm_for_cpu``, plus the many-row copy (``tiles=True``: the
+    C++ tiled layout, which needs ``out_features % 32 == 0``; else nibbles).
 
     That kernel computes ``W = (q - 8) * scale + zero``; the canonical ``W = (q - z) * s`` maps onto it
     with ``zero = (8 - z) * s`` (exact up to the rounding of ``zero`` in ``dtype``).
@@ -142,6 +110,11 @@ def pack_int4_for_cpu(qw: QuantizedWeight, dtype: torch.dtype) -> Int4PackHandle
     zero = (8.0 - qw.qzeros.float()) * s
     scale_zeros = torch.stack([s, zero], dim=-1).to(dtype).contiguous()
     bias = None if qw.bias is None else qw.bias.to(dtype)
+    if tiles:
+        from .cpu_ext import pack_w4_tiles
+
+        return Int4PackHandle(packed, scale_zeros, qw.effective_group_size, qw.out_features, bias, dtype, perm,
+                              tiles=pack_w4_tiles(codes, qw.qzeros.T, qw.scales.T))
     half = qw.in_features // 2
     nibbles = (codes[:, :half] | (codes[:, half:] << 4)).contiguous()
     scales = s.T.unsqueeze(-1).to(dtype).contiguous()  # [out, groups, 1]
@@ -170,8 +143,14 @@ class TorchBackend(Backend):
     the int4 weight to ``dtype`` and run one dense GEMM; fewer rows use the int4pack kernel, whose cost
     grows with every row (`python bench/kernels.py`, 2 threads, 3072x576 weight: 1,024 rows take ~21.6 ms in
     int4pack vs ~9.8 ms as dequant + bf16 GEMM; over SmolLM2's shapes the two cross between 64 and 96 rows).
-    ``int8_tile_min_rows``: the same switch for the int8 lm_head, which is dequantized tile by tile (the
-    crossover lies between 8 and 12 rows in the same script).
+    ``int8_tile_min_rows``: the same switch for an int8 lm_head, which is dequantized tile by tile (SmolLM2's
+    49152x576 head, 2 threads, `python bench/kernels.py --suite choices`: int8pack 2.7 ms vs tiled 5.2 at 12 rows,
+    7.3 vs 6.4 at 32).
+    ``tiles_min_rows``: from this many rows a bf16 4-bit linear runs liteturbo's C++ tiled W4A16 GEMM (each weight
+    tile dequantized once per call, AVX-512 BF16 dot products; `python bench/cpu_ops.py`: 2.3x int4pack at 32 rows,
+    2.9x at 512, even at 4-8 rows), where the CPU and the shapes allow (see :class:`Int4PackHandle`).
+    ``dense_lm_head_min_rows``: an int8 lm_head tied to the 16-bit embedding table multiplies by that table from
+    this many rows (5.0 ms at 32 rows; about equal to int8pack at 12-16).
 
     ``batch_invariant=True`` keeps every token's numbers independent of the step it runs in: int4pack and
     int8pack for any row count (both compute each row on its own), the batched decode attention even for
@@ -184,21 +163,23 @@ class TorchBackend(Backend):
     dequant_min_rows = 96
 
     def __init__(self, device: torch.device | str = "cpu", int4_kernel: bool = True,
-                 dequant_min_rows: int = 96, int8_tile_min_rows: int = 12, batch_invariant: bool = False,
-                 cpu_kernels: bool = True, cpu_w4a16: bool = False) -> None:
+                 dequant_min_rows: int = 96, int8_tile_min_rows: int = 32, batch_invariant: bool = False,
+                 cpu_kernels: bool = True, dense_lm_head_min_rows: int = 16,
+                 tiles_min_rows: int = 6) -> None:
         super().__init__(device, batch_invariant)
         self.int4_kernel = int4_kernel
         # liteturbo's C++ kernels (backends/cpu_ext.py) on CPUs: fused norms, SiLU-and-mul, rotary and decode
-        # attention; cpu_w4a16 also routes 4-bit linears to its W4A16 GEMM instead of torch's int4pack
+        # attention, the tiled W4A16 GEMM for many rows
         self.ext = None
         if cpu_kernels and self.device.type == "cpu":
             from . import cpu_ext
 
             self.ext = cpu_ext.load()
-        self.cpu_w4a16 = cpu_w4a16 and self.ext is not None
         never = 1 << 62
         self.dequant_min_rows = never if batch_invariant else dequant_min_rows
         self.int8_tile_min_rows = never if batch_invariant else int8_tile_min_rows
+        self.dense_lm_head_min_rows = never if batch_invariant else dense_lm_head_min_rows
+        self.tiles_min_rows = never if batch_invariant else tiles_min_rows
 
     @classmethod
     def op_coverage(cls, platform=None) -> dict[str, str]:
@@ -215,7 +196,7 @@ class TorchBackend(Backend):
             "rms_norm": ("liteturbo C++ kernel (fused)" if cpu else ref),
             "add_rms_norm": ("liteturbo C++ kernel (add fused with rms_norm)" if cpu else
                              ref + " (unfused add, then rms_norm)"),
-            "silu_and_mul": ref,
+            "silu_and_mul": ("liteturbo C++ kernel (AVX-512 exp)" if cpu else ref),
             "rotary": ("liteturbo C++ kernel (q and k read in place from the fused QKV)" if cpu else ref),
             "attention": ("torch SDPA (prefill) + batched matmul decode over the gathered paged KV"
                           + ("; a 16-bit cache: liteturbo C++ paged attention over the block tables, all rows of a "
@@ -242,10 +223,10 @@ class TorchBackend(Backend):
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
         """int4pack on CPU when the layout allows (see :func:`int4pack_supported`), else a :class:`DequantHandle`
         (a trivial g_idx is dropped: it costs 4 bytes per input channel and says nothing)."""
-        if self.int4_kernel and self.cpu_w4a16 and cpu_kernel_supported(qw, self.device):
-            return pack_for_cpu_kernel(qw, dtype)
         if self.int4_kernel and int4pack_supported(qw, self.device):
-            return pack_int4_for_cpu(qw, dtype)
+            tiles = (self.ext is not None and self.ext.has_w4_tiles() and dtype == torch.bfloat16
+                     and qw.out_features % 32 == 0 and qw.in_features % 4 == 0)
+            return pack_int4_for_cpu(qw, dtype, tiles)
         g_idx = None if qw.has_trivial_g_idx() else qw.g_idx.to(self.device)
         moved = QuantizedWeight(
             bits=qw.bits, group_size=qw.group_size, sym=qw.sym,
@@ -256,19 +237,15 @@ class TorchBackend(Backend):
 
     def w4a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
         """See :meth:`Backend.w4a16_linear`; computes in the handle's dtype, returns ``x.dtype``."""
-        if isinstance(handle, CpuW4Handle):
-            xin = x if x.dtype == handle.dtype else x.to(handle.dtype)
-            if handle.in_perm is not None:
-                xin = xin.index_select(-1, handle.in_perm)
-            y = self.ext.w4a16_mm(xin.contiguous(), handle.packed, handle.scales, handle.zoff, handle.group_size)
-            if handle.bias is not None:
-                y = y + handle.bias
-            return y.to(x.dtype)
         if isinstance(handle, Int4PackHandle):
             xin = x if x.dtype == handle.dtype else x.to(handle.dtype)
             if handle.in_perm is not None:
                 xin = xin.index_select(-1, handle.in_perm)
-            if xin.shape[0] >= self.dequant_min_rows and handle.nibbles is not None:
+            if handle.tiles is not None and xin.shape[0] >= self.tiles_min_rows:
+                y = self.ext.w4a16_tiles_mm(xin.contiguous(), *handle.tiles, handle.group_size)
+                if handle.bias is not None:
+                    y = y + handle.bias
+            elif xin.shape[0] >= self.dequant_min_rows and handle.nibbles is not None:
                 y = F.linear(xin, dequantize_nibbles(handle), handle.bias)
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, handle.packed, handle.group_size,
@@ -305,6 +282,13 @@ class TorchBackend(Backend):
         if self.ext is not None and weight.dtype == x.dtype == residual.dtype:
             return self.ext.add_rms_norm(x, residual, weight, eps)
         return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """See :meth:`Backend.silu_and_mul` (one C++ call on CPUs with the extension: silu rounded to the dtype, then
+        the product, within 2 ulps of the torch ops)."""
+        if self.ext is not None and gate_up.dtype != torch.float64:
+            return self.ext.silu_and_mul(gate_up)
+        return super().silu_and_mul(gate_up)
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """Rotate-half RoPE of q and k with precomputed cos/sin ``[T, 1, D]`` (one C++ call each on CPUs with the

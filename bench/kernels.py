@@ -5,8 +5,9 @@ backend in use on Llama-3-8B shapes (microseconds per call, achieved GB/s).
 
 ``choices`` (CPU, SmolLM2's shapes, the torch backend's switches):
 
-1. W4A16 linear: ``aten._weight_int4pack_mm_for_cpu`` vs dequantize + bf16 GEMM, by rows (where
-   ``TorchBackend.dequant_min_rows`` should sit).
+1. W4A16 linear: ``aten._weight_int4pack_mm_for_cpu`` vs dequantize + bf16 GEMM vs liteturbo's C++ tiled W4A16
+   GEMM (when the extension builds with AVX-512 BF16), by rows (where ``TorchBackend.tiles_min_rows`` and
+   ``dequant_min_rows`` should sit).
 2. int8 ``lm_head`` (49152 x 576): ``aten._weight_int8pack_mm`` vs the tiled dequantize + GEMM, by rows.
 3. Decode attention (one query per sequence, SmolLM2 heads, bf16): CPU ``scaled_dot_product_attention`` (with a
    padding mask for several rows) vs the backend's two batched matmuls, by batch size and context.
@@ -144,7 +145,11 @@ def llama3_suite(device: torch.device, backend_name: str, quick: bool) -> dict:
 
 def choices_suite(threads: int) -> dict:
     """Sections 1-3 of the module docstring (CPU)."""
+    from backends import cpu_ext
+
     gen = torch.Generator().manual_seed(0)
+    ext = cpu_ext.load()
+    has_tiles = ext is not None and ext.has_w4_tiles()
     res: dict = {"threads": threads, "w4a16": [], "int8_lm_head": [], "decode_attention": []}
     g = 64
     for n_out, k in [(960, 576), (3072, 576), (576, 1536)]:  # fused qkv, fused gate/up, down
@@ -153,17 +158,20 @@ def choices_suite(threads: int) -> dict:
                              qzeros=torch.randint(0, 16, (k // g, n_out), dtype=torch.uint8, generator=gen),
                              scales=torch.rand(k // g, n_out, generator=gen) * 0.01)
         h = pack_int4_for_cpu(qw, torch.bfloat16)
-        for rows in (1, 32, 64, 96, 128, 1024):
+        tiles = pack_int4_for_cpu(qw, torch.bfloat16, tiles=True).tiles if has_tiles else None
+        for rows in (1, 4, 8, 32, 64, 96, 128, 1024):
             x = torch.randn(rows, k, generator=gen).bfloat16()
             reps = 5 if rows >= 1024 else 30
             a = timed(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, h.packed, g, h.scale_zeros), reps)
             b = timed(lambda: F.linear(x, dequantize_nibbles(h)), reps)
-            res["w4a16"].append({"out": n_out, "in": k, "rows": rows, "int4pack_us": a, "dequant_gemm_us": b})
+            c = timed(lambda: ext.w4a16_tiles_mm(x, *tiles, g), reps) if tiles else float("nan")
+            res["w4a16"].append({"out": n_out, "in": k, "rows": rows, "int4pack_us": a, "dequant_gemm_us": b,
+                                 "tiles_us": c})
 
     n_vocab, k = 49152, 576
     q = torch.randint(-127, 128, (n_vocab, k), dtype=torch.int8, generator=gen)
     s = (torch.rand(n_vocab, generator=gen) * 0.01).bfloat16()
-    for rows in (1, 8, 12, 32):
+    for rows in (1, 8, 12, 32, 48):
         x = torch.randn(rows, k, generator=gen).bfloat16()
         a = timed(lambda: torch.ops.aten._weight_int8pack_mm(x, q, s), 5)
         b = timed(lambda: _int8_tiled_mm(x, q, s), 5)
@@ -197,9 +205,10 @@ def choices_suite(threads: int) -> dict:
 
 def print_choices(res: dict) -> None:
     print(f"torch backend kernel choices, bf16, {res['threads']} threads (microseconds per call)")
-    print(f"{'W4A16 out x in':>16} {'rows':>5} {'int4pack':>10} {'dequant+GEMM':>13}")
+    print(f"{'W4A16 out x in':>16} {'rows':>5} {'int4pack':>10} {'dequant+GEMM':>13} {'C++ tiles':>10}")
     for r in res["w4a16"]:
-        print(f"{r['out']:>9} x {r['in']:<4} {r['rows']:>5} {r['int4pack_us']:>10.0f} {r['dequant_gemm_us']:>13.0f}")
+        print(f"{r['out']:>9} x {r['in']:<4} {r['rows']:>5} {r['int4pack_us']:>10.0f} {r['dequant_gemm_us']:>13.0f} "
+              f"{r['tiles_us']:>10.0f}")
     print(f"{'int8 lm_head rows':>22} {'int8pack':>10} {'tiled':>10}")
     for r in res["int8_lm_head"]:
         print(f"{r['rows']:>22} {r['int8pack_us']:>10.0f} {r['tiled_dequant_gemm_us']:>10.0f}")

@@ -1,8 +1,10 @@
-"""The C++ W4A16 CPU kernel (backends/csrc/w4a16_cpu.cpp) against the float64 dequantization, and the fallback.
+"""liteturbo's C++ CPU kernels (backends/csrc/) against float64 references and the torch ops, and the fallback.
 
-Fresh random codes, zero points and scales; ragged row counts (M = 1, 3, 17, 64, 300), every group size the layout
-takes, bfloat16 and float32 activations, act-order weights through the backend (input permutation), and the
-torch backend with the extension turned off.
+The tiled W4A16 GEMM: fresh random codes, zero points and scales; ragged row counts (M = 1, 3, 17, 64, 300), every
+group size the layout takes, act-order weights through the backend (input permutation), bias; outputs compared with
+the float64 product of the weights as the kernel rounds them (once, to bfloat16). The fused norms, rotary,
+SiLU-and-mul against the torch ops; paged attention against float64; the torch backend with the extension turned
+off or failing to build; the engine's greedy outputs with the kernels on and off.
 """
 from __future__ import annotations
 
@@ -41,47 +43,73 @@ def _close(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> None:
     assert err <= rtol * ref.abs().max().item() + 1e-6, (err, ref.abs().max().item())
 
 
-@needs_ext
+def _ref_bf16_weights(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """float64 product with the weights as the tiled kernel forms them: (q - z) * s (s in bf16), rounded to bf16."""
+    w = qw.dequantize(torch.float64) if qw.scales.dtype == torch.bfloat16 else QuantizedWeight(
+        bits=qw.bits, group_size=qw.group_size, sym=qw.sym, qweight=qw.qweight, qzeros=qw.qzeros,
+        scales=qw.scales.to(torch.bfloat16), g_idx=qw.g_idx).dequantize(torch.float64)
+    return x.double() @ w.to(torch.bfloat16).double().t()
+
+
+needs_tiles = pytest.mark.skipif(ext is None or not ext.has_w4_tiles(), reason="needs the extension on AVX-512 BF16")
+
+
+@needs_tiles
 @pytest.mark.parametrize("m", [1, 3, 17, 64, 300])
 @pytest.mark.parametrize("gs", [32, 64, 128, 256, -1])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_matches_float64(m, gs, dtype):
-    n, k = 80, 768 if gs != -1 else 576
+def test_tiled_kernel_matches_float64(m, gs):
+    n, k = 96, 768 if gs != -1 else 256  # per-channel (-1): int4pack, which holds the weight too, takes K = 256
     qw = _qw(n, k, gs, seed=m * 1000 + (gs % 997))
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    h = TorchBackend("cpu", cpu_w4a16=True).prepare_w4a16(qw, dtype)
-    assert type(h).__name__ == "CpuW4Handle"
-    packed, scales, zoff = h.packed, h.scales, h.zoff
-    y = ext.w4a16_mm(x, packed, scales, zoff, qw.effective_group_size)
-    assert y.shape == (m, n) and y.dtype == torch.float32
-    _close(y, _ref(x, qw), 2e-5)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    h = TorchBackend("cpu").prepare_w4a16(qw, torch.bfloat16)
+    assert h.tiles is not None and h.nibbles is None  # one many-row copy of the codes, not two
+    y = ext.w4a16_tiles_mm(x, *h.tiles, qw.effective_group_size)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _close(y, _ref_bf16_weights(x, qw), 8e-3)  # float32 sums; the output rounded to bf16
 
 
-@needs_ext
-def test_rows_do_not_depend_on_the_batch():
+@needs_tiles
+def test_tiled_rows_do_not_depend_on_the_batch():
     qw = _qw(64, 576, 64, seed=3)
-    h = TorchBackend("cpu", cpu_w4a16=True).prepare_w4a16(qw, torch.bfloat16)
+    h = TorchBackend("cpu").prepare_w4a16(qw, torch.bfloat16)
     x = torch.randn(33, 576).to(torch.bfloat16)
-    full = ext.w4a16_mm(x, h.packed, h.scales, h.zoff, 64)
-    for i in (0, 7, 32):
-        assert torch.equal(ext.w4a16_mm(x[i:i + 1], h.packed, h.scales, h.zoff, 64)[0], full[i])
+    full = ext.w4a16_tiles_mm(x, *h.tiles, 64)
+    for i in (0, 7, 8, 32):
+        assert torch.equal(ext.w4a16_tiles_mm(x[i:i + 1], *h.tiles, 64)[0], full[i])
 
 
-@needs_ext
-@pytest.mark.parametrize("m", [1, 17, 300])
+@needs_tiles
+def test_tiled_kernel_refuses_bad_inputs():
+    h = TorchBackend("cpu").prepare_w4a16(_qw(64, 576, 64, seed=1), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ext.w4a16_tiles_mm(torch.randn(2, 576), *h.tiles, 64)
+    with pytest.raises(RuntimeError, match="x has 512 input channels, the weight 576"):
+        ext.w4a16_tiles_mm(torch.randn(2, 512).bfloat16(), *h.tiles, 64)
+    with pytest.raises(RuntimeError, match="zeros must be"):
+        ext.w4a16_tiles_mm(torch.randn(2, 576).bfloat16(), h.tiles[0], h.tiles[1][:1], h.tiles[2], 64)
+
+
+@needs_tiles
+@pytest.mark.parametrize("m", [1, 5, 6, 17, 300])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_backend_linear_uses_the_kernel(m, act_order):
+def test_backend_linear_picks_the_kernel_by_rows(m, act_order):
+    """From ``tiles_min_rows`` (6) rows the tiled kernel, below torch's int4pack; act-order through the input
+    permutation, bias added; float32 engines keep the nibble copy (the tiled kernel is bf16 only)."""
     qw = _qw(96, 640, 64, seed=m, act_order=act_order)
     qw.bias = torch.randn(96)
-    be = TorchBackend("cpu", cpu_w4a16=True)
-    for dtype in (torch.bfloat16, torch.float32):
-        h = be.prepare_w4a16(qw, dtype)
-        assert type(h).__name__ == "CpuW4Handle" and (h.in_perm is not None) == act_order
-        x = torch.randn(m, 640).to(dtype)
-        y = be.w4a16_linear(x, h)
-        assert y.dtype == dtype
-        tol = 2e-5 if dtype == torch.float32 else 1e-2  # the output is rounded to bfloat16
-        _close(y.float(), _ref(x, qw) + qw.bias.double(), tol)
+    be = TorchBackend("cpu")
+    h = be.prepare_w4a16(qw, torch.bfloat16)
+    assert h.tiles is not None and (h.in_perm is not None) == act_order
+    x = torch.randn(m, 640).to(torch.bfloat16)
+    calls = []
+    real = be.ext
+    be.ext = type("Spy", (), {"w4a16_tiles_mm": lambda self, *a: calls.append(1) or real.w4a16_tiles_mm(*a)})()
+    y = be.w4a16_linear(x, h)
+    be.ext = real
+    assert bool(calls) == (m >= be.tiles_min_rows) and y.dtype == torch.bfloat16
+    _close(y.float(), _ref(x, qw) + qw.bias.double(), 1e-2)
+    assert be.prepare_w4a16(qw, torch.float32).tiles is None
+    assert TorchBackend("cpu", batch_invariant=True).tiles_min_rows > 1 << 40
 
 
 def test_fallback_without_the_extension(monkeypatch):
@@ -89,12 +117,13 @@ def test_fallback_without_the_extension(monkeypatch):
     monkeypatch.setenv("LITETURBO_CPU_EXT", "0")
     assert cpu_ext.load() is None
     qw = _qw(64, 576, 64, seed=11)
-    be = TorchBackend("cpu", cpu_w4a16=True)
+    be = TorchBackend("cpu")
     assert be.ext is None
-    h = be.prepare_w4a16(qw, torch.float32)
-    assert type(h).__name__ == "Int4PackHandle"
-    x = torch.randn(5, 576)
-    _close(be.w4a16_linear(x, h), _ref(x, qw), 2e-5)
+    h = be.prepare_w4a16(qw, torch.bfloat16)
+    assert type(h).__name__ == "Int4PackHandle" and h.tiles is None and h.nibbles is not None
+    for m in (5, 300):  # int4pack, then dequantize + matmul
+        x = torch.randn(m, 576).bfloat16()
+        _close(be.w4a16_linear(x, h).float(), _ref(x, qw), 1e-2)
 
 
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
@@ -109,9 +138,9 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu_ext.load() is None  # remembered: no second warning
-    be = TorchBackend("cpu", cpu_w4a16=True)
+    be = TorchBackend("cpu")
     assert be.ext is None
-    assert type(be.prepare_w4a16(_qw(64, 576, 64, seed=1), torch.bfloat16)).__name__ == "Int4PackHandle"
+    assert be.prepare_w4a16(_qw(64, 576, 64, seed=1), torch.bfloat16).tiles is None
 
 
 def test_a_stale_build_lock_is_removed(tmp_path):
@@ -131,12 +160,12 @@ def test_a_stale_build_lock_is_removed(tmp_path):
 
 
 @pytest.mark.parametrize("shape", [(64, 576, 32), (48, 96, 32)])
-def test_layouts_the_kernel_cannot_take_use_the_torch_kernels(shape):
-    """in_features not a multiple of 64 (96) stays on int4pack; 4-bit with K % 64 == 0 goes to the kernel."""
+def test_layouts_the_kernel_cannot_take_keep_the_nibbles(shape):
+    """out_features not a multiple of 32 (48) keeps the nibble copy for many rows; 64 x 576 takes the tiles."""
     n, k, gs = shape
-    h = TorchBackend("cpu", cpu_w4a16=True).prepare_w4a16(_qw(n, k, gs, seed=2), torch.bfloat16)
-    want = "CpuW4Handle" if (k % 64 == 0 and ext is not None) else "Int4PackHandle"
-    assert type(h).__name__ == want
+    h = TorchBackend("cpu").prepare_w4a16(_qw(n, k, gs, seed=2), torch.bfloat16)
+    tiles = n % 32 == 0 and ext is not None and ext.has_w4_tiles()
+    assert (h.tiles is not None) == tiles and (h.nibbles is not None) == (not tiles)
 
 
 # --- fused per-token ops and decode attention ---------------------------------------------------------------------
@@ -289,3 +318,25 @@ def test_engine_greedy_unchanged_with_the_cpu_kernels(smollm2_path, smollm2_rtn_
         else:
             assert [o[0] for o in outs["1"]] == [o[0] for o in outs["0"]]
             assert nll["1"] == pytest.approx(nll["0"], rel=0.01), nll
+
+
+@pytest.mark.slow
+def test_tied_int8_lm_head_uses_the_embedding_table_for_many_rows(smollm2_rtn_g64, monkeypatch):
+    """SmolLM2 ties lm_head to the embeddings: the int8 head (few rows) and the table itself (16 rows and more, no
+    copy) both match the float64 product; the step picks by row count, never in batch_invariant mode."""
+    from turbo import Engine, EngineConfig
+
+    e = Engine(smollm2_rtn_g64, EngineConfig(dtype="bfloat16", max_kv_tokens=1024))
+    m = e.model
+    assert m.lm_head.quantized == "w8a16" and m.lm_head_dense.handle[0].data_ptr() == m.embed.data_ptr()
+    h = torch.randn(20, m.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ref = h.double() @ m.embed.double().T
+    for head, tol in ((m.lm_head_dense, 0.01), (m.lm_head, 0.03)):
+        assert (head(h).double() - ref).abs().max().item() <= tol * ref.abs().max().item()
+    calls = []
+    dense = m.lm_head_dense
+    monkeypatch.setattr(m, "lm_head_dense", lambda x: calls.append(x.shape[0]) or dense(x))
+    assert e.backend.dense_lm_head_min_rows == 16
+    e.generate([list(range(100, 140))] * 16, max_new_tokens=2, ignore_eos=True)
+    assert calls and all(n >= 16 for n in calls)  # the step of 16 sequences; a lone prompt's row stays int8
+    assert TorchBackend("cpu", batch_invariant=True).dense_lm_head_min_rows > 1 << 40

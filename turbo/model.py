@@ -204,6 +204,7 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos_sin = (emb.cos().to(backend.device), emb.sin().to(backend.device))
         self.scale = cfg.head_dim ** -0.5
+        self.lm_head_dense: Linear | None = None  # see from_pretrained (lm_head_int8 with tied embeddings)
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -218,7 +219,8 @@ class LlamaModel:
         outside the decoder are checked against config.json from the headers before any weight is read.
 
         ``lm_head_int8`` runs the output projection as weight-only int8 (per output channel), as llama.cpp
-        does with Q8_0 output weights; the input embedding table stays in ``dtype``.
+        does with Q8_0 output weights; the input embedding table stays in ``dtype``. When the head is tied to that
+        table, steps of ``backend.dense_lm_head_min_rows`` rows or more multiply by the table itself (faster there).
         Raises ``LiteturboError`` on bad input (missing or misshaped tensors, layers beyond
         ``num_hidden_layers``, partly quantized fused linears, unreadable files).
         """
@@ -326,10 +328,13 @@ class LlamaModel:
         model.embed = take(embed_name).to(dev, dtype)
         model.norm = take("model.norm.weight").to(dev, dtype)
         lm = sd.pop("lm_head.weight", None)
-        head = model.embed if lm is None else lm.to(dev, dtype)
+        tied = lm is None
+        head = model.embed if tied else lm.to(dev, dtype)
         del lm
         if lm_head_int8:
             model.lm_head = Linear(backend, backend.prepare_w8a16(head, dtype), "w8a16", head.shape[0])
+            if tied:  # tied: many rows multiply by the embedding table itself (its storage, no copy)
+                model.lm_head_dense = Linear(backend, (head, None), None, head.shape[0])
         else:
             model.lm_head = Linear(backend, (head, None), None, head.shape[0])
         return model
@@ -368,7 +373,10 @@ class LlamaModel:
         if logits_rows is not None:
             h = h[logits_rows]
         h = be.rms_norm(h, self.norm, cfg.rms_norm_eps)
-        return self.lm_head(h).float()
+        head = self.lm_head
+        if self.lm_head_dense is not None and h.shape[0] >= be.dense_lm_head_min_rows:
+            head = self.lm_head_dense
+        return head(h).float()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of every tensor the model holds, by part (the keys of :func:`turbo.planner.weight_breakdown`):

@@ -3,9 +3,9 @@
 
 #include <tuple>
 
-at::Tensor w4a16_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zoff,
-                    int64_t group_size);
-bool has_avx512_bf16();
+bool has_w4_tiles();
+at::Tensor w4a16_tiles_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& zeros,
+                          const at::Tensor& scales, int64_t group_size);
 at::Tensor lt_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> lt_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                    const at::Tensor& weight, double eps);
@@ -16,8 +16,9 @@ at::Tensor lt_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, co
                               const at::Tensor& row_len, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("w4a16_mm", &w4a16_mm, "W4A16 GEMM: x [M, K] x packed 4-bit weight -> float32 [M, N] (w4a16_cpu.cpp)");
-  m.def("has_avx512_bf16", &has_avx512_bf16, "whether the AVX-512 BF16 W4A16 kernel was compiled in");
+  m.def("w4a16_tiles_mm", &w4a16_tiles_mm,
+        "W4A16 GEMM for many rows: bf16 x [M, K] x tile-packed 4-bit weight -> bf16 [M, N] (w4a16_gemm_cpu.cpp)");
+  m.def("has_w4_tiles", &has_w4_tiles, "whether w4a16_tiles_mm was compiled in (AVX-512 BF16)");
   m.def("rms_norm", &lt_rms_norm, "RMSNorm over the last dim (ops_cpu.cpp)");
   m.def("add_rms_norm", &lt_add_rms_norm, "residual add + RMSNorm -> (normed, sum)");
   m.def("silu_and_mul", &lt_silu_and_mul, "silu(gate) * up for gate_up [T, 2I]");

@@ -11,7 +11,12 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include "avx512_math.h"
+#endif
 
 namespace {
 
@@ -85,7 +90,32 @@ std::tuple<at::Tensor, at::Tensor> lt_add_rms_norm(const at::Tensor& x_in, const
   return {out, sum};
 }
 
-// gate_up [T, 2I] (gate first) → silu(gate) * up [T, I] (SwiGLU, Shazeer 2020)
+namespace {
+
+// silu(g) * u for the leading multiple of 16 elements (AVX-512 builds, not float64); returns how many were done
+template <typename T>
+int64_t silu_and_mul_lanes(const T* g, const T* u, T* o, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    using namespace lt_avx512;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 gv = load16(g + j);
+      const __m512 e = exp_any(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      alignas(64) T s[16];
+      store16(s, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      store16(o + j, _mm512_mul_ps(load16(s), load16(u + j)));
+    }
+    return j;
+  }
+#endif
+  return 0;
+}
+
+}  // namespace
+
+// gate_up [T, 2I] (gate first) → silu(gate) * up [T, I] (SwiGLU, Shazeer 2020): silu rounded to the dtype, then the
+// product rounded, as the torch ops F.silu(g) * u; with AVX-512 16 lanes at a time with its exp (about 2 ulp in float32).
 at::Tensor lt_silu_and_mul(const at::Tensor& gu_in) {
   const at::Tensor gu = gu_in.contiguous();
   const int64_t two_i = gu.size(-1), inter = two_i / 2, rows = gu.numel() / two_i;
@@ -99,10 +129,12 @@ at::Tensor lt_silu_and_mul(const at::Tensor& gu_in) {
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t* g = gp + r * two_i;
         const scalar_t* u = g + inter;
-        for (int64_t j = 0; j < inter; ++j) {
+        scalar_t* o = op + r * inter;
+        int64_t j = silu_and_mul_lanes(g, u, o, inter);
+        for (; j < inter; ++j) {
           const float gv = static_cast<float>(g[j]);
           const scalar_t s = rnd<scalar_t>(gv / (1.f + std::exp(-gv)));
-          op[r * inter + j] = rnd<scalar_t>(static_cast<float>(s) * static_cast<float>(u[j]));
+          o[j] = rnd<scalar_t>(static_cast<float>(s) * static_cast<float>(u[j]));
         }
       }
     });
