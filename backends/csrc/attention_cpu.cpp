@@ -32,20 +32,23 @@
 
 namespace {
 
+constexpr int64_t kBlockRows = 16;    // prefill rows that share each transposed key tile
+constexpr int64_t kMinTiledRows = 4;  // fewer rows: one dot product per token and head
+
 #if LT_ATTN_AVX512
 using namespace lt_avx512;
 constexpr int kMaxGroup = 16;   // query heads per KV head handled in registers
 constexpr int kMaxChunks = 16;  // head_dim up to 256
 
-// One work item: the g query heads of KV head hk for one row, head_dim d (a multiple of 16).
+// Scores of one row's g query heads over its n tokens: sc[gi * lda + t] = scale * q_gi . k_t (one dot product per
+// token and head, reduced across lanes).
 template <typename T>
-void attend_avx512(const T* q, const T* kp, const T* vp, const int32_t* table, int64_t bs, int64_t n, int64_t g,
-                   int64_t d, int64_t s_all, int64_t hk, float scale, float* sc, T* out, int64_t out_head_stride) {
+void qk_row(const T* q, const T* kp, const int32_t* table, int64_t bs, int64_t n, int64_t g, int64_t d, int64_t s_all,
+            int64_t hk, float scale, float* sc, int64_t lda) {
   const int64_t chunks = d / 16;
   __m512 qv[kMaxGroup][kMaxChunks];
   for (int64_t gi = 0; gi < g; ++gi)
     for (int64_t c = 0; c < chunks; ++c) qv[gi][c] = _mm512_mul_ps(load16(q + gi * d + 16 * c), _mm512_set1_ps(scale));
-  const int64_t lda = ((n + 15) / 16) * 16;  // scores of head gi start at sc + gi * lda
   for (int64_t t = 0; t < n; ++t) {
     const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
     const T* kr = kp + (hk * s_all + slot) * d;
@@ -57,15 +60,83 @@ void attend_avx512(const T* q, const T* kp, const T* vp, const int32_t* table, i
       sc[gi * lda + t] = _mm512_reduce_add_ps(a);
     }
   }
+}
+
+// P row-heads at once against a transposed key tile kt [d][16]: acc[p] = sum_c qs[p][c] * kt[c] (16 tokens per vector,
+// no cross-lane reduction), stored to sc[p * lda + t0 ..].
+template <int P>
+inline void qk_tile_heads(const float* qs, int64_t d, const float* kt, float* sc, int64_t lda, int64_t t0) {
+  __m512 acc[P];
+  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; ++c) {
+    const __m512 kv = _mm512_loadu_ps(kt + 16 * c);
+    for (int p = 0; p < P; ++p) acc[p] = _mm512_fmadd_ps(_mm512_set1_ps(qs[p * d + c]), kv, acc[p]);
+  }
+  for (int p = 0; p < P; ++p) _mm512_storeu_ps(sc + p * lda + t0, acc[p]);
+}
+
+inline void qk_tile(int64_t heads, const float* qs, int64_t d, const float* kt, float* sc, int64_t lda, int64_t t0) {
+  int64_t p = 0;
+  for (; p + 8 <= heads; p += 8) qk_tile_heads<8>(qs + p * d, d, kt, sc + p * lda, lda, t0);
+  switch (heads - p) {
+    case 7: qk_tile_heads<7>(qs + p * d, d, kt, sc + p * lda, lda, t0); break;
+    case 6: qk_tile_heads<6>(qs + p * d, d, kt, sc + p * lda, lda, t0); break;
+    case 5: qk_tile_heads<5>(qs + p * d, d, kt, sc + p * lda, lda, t0); break;
+    case 4: qk_tile_heads<4>(qs + p * d, d, kt, sc + p * lda, lda, t0); break;
+    case 3: qk_tile_heads<3>(qs + p * d, d, kt, sc + p * lda, lda, t0); break;
+    case 2: qk_tile_heads<2>(qs + p * d, d, kt, sc + p * lda, lda, t0); break;
+    case 1: qk_tile_heads<1>(qs + p * d, d, kt, sc + p * lda, lda, t0); break;
+    default: break;
+  }
+}
+
+// Scores of nb consecutive rows of one sequence (a prefill block; row i sees n_i tokens) for the g query heads of KV
+// head hk: every 16-token key tile is converted and transposed once and shared by all nb * g row-heads.
+// sc[(i * g + gi) * lda + t]; q rows nb x [h, d] (row stride qstride).
+template <typename T>
+void qk_block(const T* q, int64_t qstride, int64_t nb, int64_t n_max, const T* kp, const int32_t* table, int64_t bs,
+              int64_t g, int64_t d, int64_t s_all, int64_t hk, float scale, float* sc, int64_t lda, float* qs,
+              float* kt, float* tmp) {
+  const int64_t chunks = d / 16;
+  for (int64_t i = 0; i < nb; ++i)
+    for (int64_t gi = 0; gi < g; ++gi)
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm512_storeu_ps(qs + (i * g + gi) * d + 16 * c,
+                         _mm512_mul_ps(load16(q + i * qstride + gi * d + 16 * c), _mm512_set1_ps(scale)));
+  alignas(64) int32_t idx[16];
+  for (int j = 0; j < 16; ++j) idx[j] = static_cast<int32_t>(j * d);
+  const __m512i vidx = _mm512_load_si512(idx);
+  for (int64_t t0 = 0; t0 < n_max; t0 += 16) {
+    const int64_t tt = std::min<int64_t>(16, n_max - t0);
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j < tt) {
+        const int64_t t = t0 + j, slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+        const T* kr = kp + (hk * s_all + slot) * d;
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(tmp + j * d + 16 * c, load16(kr + 16 * c));
+      } else {
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(tmp + j * d + 16 * c, _mm512_setzero_ps());
+      }
+    }
+    for (int64_t c = 0; c < d; ++c) _mm512_storeu_ps(kt + 16 * c, _mm512_i32gather_ps(vidx, tmp + c, 4));
+    qk_tile(nb * g, qs, d, kt, sc, lda, t0);
+  }
+}
+
+// Softmax over each head's n scores (sc[gi * lda ..]) and the weighted sum of the values, for one row.
+template <typename T>
+void softmax_pv(const T* vp, const int32_t* table, int64_t bs, int64_t n, int64_t g, int64_t d, int64_t s_all,
+                int64_t hk, float* sc, int64_t lda, T* out) {
+  const int64_t chunks = d / 16;
+  const int64_t width = ((n + 15) / 16) * 16;
   float inv[kMaxGroup];
   for (int64_t gi = 0; gi < g; ++gi) {
     float* s = sc + gi * lda;
-    for (int64_t t = n; t < lda; ++t) s[t] = -std::numeric_limits<float>::infinity();
+    for (int64_t t = n; t < width; ++t) s[t] = -std::numeric_limits<float>::infinity();
     __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < lda; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+    for (int64_t t = 0; t < width; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < lda; t += 16) {
+    for (int64_t t = 0; t < width; t += 16) {
       const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
       const __mmask16 valid = t + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1u);
       const __m512 em = _mm512_maskz_mov_ps(valid, e);
@@ -89,7 +160,7 @@ void attend_avx512(const T* q, const T* kp, const T* vp, const int32_t* table, i
   }
   for (int64_t gi = 0; gi < g; ++gi)
     for (int64_t c = 0; c < chunks; ++c)
-      store16(out + gi * out_head_stride + 16 * c, _mm512_mul_ps(acc[gi][c], _mm512_set1_ps(inv[gi])));
+      store16(out + gi * d + 16 * c, _mm512_mul_ps(acc[gi][c], _mm512_set1_ps(inv[gi])));
 }
 #endif
 
@@ -152,34 +223,62 @@ at::Tensor lt_paged_attention(const at::Tensor& q_in, const at::Tensor& kc, cons
                   row_table[b], " out of range");
     max_len = std::max<int64_t>(max_len, rl[r]);
   }
+  // work units: runs of up to kBlockRows consecutive rows of one sequence at consecutive positions (a prefill),
+  // each row alone otherwise (decode)
+  std::vector<int64_t> starts;
+  for (int64_t r = 0; r < r_all; ++r) {
+    if (starts.empty() || r - starts.back() >= kBlockRows || rs[r] != rs[r - 1] || rl[r] != rl[r - 1] + 1)
+      starts.push_back(r);
+  }
+  const int64_t blocks = static_cast<int64_t>(starts.size());
+  starts.push_back(r_all);
   auto out = at::empty_like(q);
-  const int64_t items = r_all * kvh;
+  const int64_t items = blocks * kvh;
+  const int64_t lda_max = ((max_len + 15) / 16) * 16;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "lt_paged_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = kc.data_ptr<scalar_t>();
     const scalar_t* vp = vc.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> sc(static_cast<size_t>(g * (((max_len + 15) / 16) * 16)));
+      std::vector<float> sc;
+      std::vector<float> work;
       for (int64_t i = i0; i < i1; ++i) {
-        // alternate the two ends of the row range: rows of a causal prefill grow in cost with their index
+        // alternate the two ends of the block list: blocks of a causal prefill grow in cost with their index
         const int64_t k = i / kvh, hk = i % kvh;
-        const int64_t r = (k % 2 == 0) ? k / 2 : r_all - 1 - k / 2;
-        const int64_t n = rl[r];
-        const int32_t* table = tp + rs[r] * mb;
-        const scalar_t* qr = qp + (r * h + hk * g) * d;
-        scalar_t* orow = op + (r * h + hk * g) * d;
+        const int64_t blk = (k % 2 == 0) ? k / 2 : blocks - 1 - k / 2;
+        const int64_t r0 = starts[blk], nb = starts[blk + 1] - r0;
+        const int32_t* table = tp + rs[r0] * mb;
+        const float sc_f = static_cast<float>(scale);
 #if LT_ATTN_AVX512
         if constexpr (!std::is_same_v<scalar_t, double>) {
           if (d % 16 == 0 && d <= 16 * kMaxChunks && g <= kMaxGroup) {
-            attend_avx512<scalar_t>(qr, kp, vp, table, block_size, n, g, d, s_all, hk, static_cast<float>(scale),
-                                    sc.data(), orow, d);
+            const int64_t n_max = rl[r0 + nb - 1];
+            const int64_t lda = ((n_max + 15) / 16) * 16;
+            sc.resize(static_cast<size_t>(nb * g * lda));
+            if (nb >= kMinTiledRows) {
+              work.resize(static_cast<size_t>(nb * g * d + 32 * d + 16));
+              qk_block<scalar_t>(qp + (r0 * h + hk * g) * d, h * d, nb, n_max, kp, table, block_size, g, d, s_all,
+                                 hk, sc_f, sc.data(), lda, work.data(), work.data() + nb * g * d,
+                                 work.data() + nb * g * d + 16 * d);
+            } else {
+              for (int64_t j = 0; j < nb; ++j)
+                qk_row<scalar_t>(qp + ((r0 + j) * h + hk * g) * d, kp, table, block_size, rl[r0 + j], g, d, s_all,
+                                 hk, sc_f, sc.data() + j * g * lda, lda);
+            }
+            for (int64_t j = 0; j < nb; ++j)
+              softmax_pv<scalar_t>(vp, table, block_size, rl[r0 + j], g, d, s_all, hk, sc.data() + j * g * lda, lda,
+                                   op + ((r0 + j) * h + hk * g) * d);
             continue;
           }
         }
 #endif
-        attend_portable<scalar_t>(qr, kp, vp, table, block_size, n, g, d, s_all, hk, static_cast<float>(scale),
-                                  sc.data(), orow, d);
+        sc.resize(static_cast<size_t>(g * lda_max));
+        for (int64_t j = 0; j < nb; ++j) {
+          const int64_t r = r0 + j;
+          attend_portable<scalar_t>(qp + (r * h + hk * g) * d, kp, vp, table, block_size, rl[r], g, d, s_all, hk,
+                                    sc_f, sc.data(), op + (r * h + hk * g) * d, d);
+        }
       }
     });
   });
