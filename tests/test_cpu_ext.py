@@ -256,13 +256,18 @@ def test_paged_attention_matches_float64(dtype, heads, kv_heads, d, seqs):
 
 @needs_ext
 def test_paged_attention_rows_do_not_depend_on_the_others():
-    """A row's result is the same alone and among other rows (no cross-row reduction; threads split rows only)."""
+    """A decode row's result is the same alone and among other rows (threads split rows, no cross-row sums); prefill
+    rows computed in a block (shared key tiles, probabilities normalized before P x V) agree with the same row alone
+    within bf16 rounding."""
     q, kc, vc, tables, bs, row_seq, row_len = _paged_case(7, torch.bfloat16, 9, 3, 64, [(5, 70), (1, 33), (1, 200)])
     ext = TorchBackend("cpu").ext
     full = ext.paged_attention(q, kc, vc, tables, bs, row_seq, row_len, 0.125)
     for r in (0, 4, 5, 6):
         one = ext.paged_attention(q[r:r + 1], kc, vc, tables, bs, row_seq[r:r + 1], row_len[r:r + 1], 0.125)
-        assert torch.equal(one[0], full[r])
+        if r >= 5:
+            assert torch.equal(one[0], full[r])
+        else:
+            assert (one[0].float() - full[r].float()).abs().max().item() <= 1e-2 * full[r].float().abs().max().item()
 
 
 @needs_ext

@@ -122,6 +122,92 @@ void qk_block(const T* q, int64_t qstride, int64_t nb, int64_t n_max, const T* k
   }
 }
 
+// Softmax of one row-head's n scores in place, normalized (probabilities), zero from n up to width.
+inline void softmax_probs(float* s, int64_t n, int64_t width) {
+  const int64_t w16 = ((n + 15) / 16) * 16;
+  for (int64_t t = n; t < w16; ++t) s[t] = -std::numeric_limits<float>::infinity();
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < w16; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < w16; t += 16) {
+    const __mmask16 valid = t + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1u);
+    const __m512 em = _mm512_maskz_mov_ps(valid, exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + t), m)));
+    _mm512_storeu_ps(s + t, em);
+    sum = _mm512_add_ps(sum, em);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t t = 0; t < w16; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+  for (int64_t t = w16; t < width; ++t) s[t] = 0.f;
+}
+
+// R row-heads' probabilities (rows of probs, stride lda) times the values vf [n, 16 * C] (float32): each value row
+// is loaded once for the R row-heads, accumulators stay in registers. out[r] = row-head r's [16 * C] result.
+template <int R, int C, typename T>
+void pv_group(const float* probs, int64_t lda, const float* vf, int64_t n, T* const* out) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vf + t * 16 * C + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(probs[r * lda + t]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store16(out[r] + 16 * c, acc[r][c]);
+}
+
+// Softmax and P x V for a prefill block (nb rows of one sequence, g heads each; scores in sc[(i * g + gi) * lda]):
+// the block's values are converted to float32 once, then row-heads go through pv_group R at a time. Head dims of 64
+// and 128 (C = 4, 8); returns false for others (the caller then runs softmax_pv row by row).
+template <typename T>
+bool softmax_pv_block(const T* vp, const int32_t* table, int64_t bs, const int32_t* lens, int64_t nb, int64_t g,
+                      int64_t d, int64_t s_all, int64_t hk, float* sc, int64_t lda, T* out, int64_t out_row_stride,
+                      std::vector<float>& vf) {
+  if (d != 64 && d != 128) return false;
+  const int64_t n_max = lens[nb - 1];
+  for (int64_t i = 0; i < nb; ++i)
+    for (int64_t gi = 0; gi < g; ++gi) softmax_probs(sc + (i * g + gi) * lda, lens[i], lda);
+  vf.resize(static_cast<size_t>(n_max * d));
+  for (int64_t t = 0; t < n_max; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+    const T* vr = vp + (hk * s_all + slot) * d;
+    for (int64_t c = 0; c < d / 16; ++c) _mm512_storeu_ps(vf.data() + t * d + 16 * c, load16(vr + 16 * c));
+  }
+  const int64_t heads = nb * g;
+  const int R = d == 64 ? 6 : 3;
+  T* outs[8];
+  for (int64_t p0 = 0; p0 < heads; p0 += R) {
+    const int64_t cnt = std::min<int64_t>(R, heads - p0);
+    for (int64_t r = 0; r < cnt; ++r) {
+      const int64_t i = (p0 + r) / g, gi = (p0 + r) % g;
+      outs[r] = out + i * out_row_stride + gi * d;
+    }
+    const int64_t n = lens[(p0 + cnt - 1) / g];  // the group's longest row (rows grow by one token each)
+    const float* pr = sc + p0 * lda;
+    if (d == 64) {
+      switch (cnt) {
+        case 6: pv_group<6, 4>(pr, lda, vf.data(), n, outs); break;
+        case 5: pv_group<5, 4>(pr, lda, vf.data(), n, outs); break;
+        case 4: pv_group<4, 4>(pr, lda, vf.data(), n, outs); break;
+        case 3: pv_group<3, 4>(pr, lda, vf.data(), n, outs); break;
+        case 2: pv_group<2, 4>(pr, lda, vf.data(), n, outs); break;
+        default: pv_group<1, 4>(pr, lda, vf.data(), n, outs); break;
+      }
+    } else {
+      switch (cnt) {
+        case 3: pv_group<3, 8>(pr, lda, vf.data(), n, outs); break;
+        case 2: pv_group<2, 8>(pr, lda, vf.data(), n, outs); break;
+        default: pv_group<1, 8>(pr, lda, vf.data(), n, outs); break;
+      }
+    }
+  }
+  return true;
+}
+
 // Softmax over each head's n scores (sc[gi * lda ..]) and the weighted sum of the values, for one row.
 template <typename T>
 void softmax_pv(const T* vp, const int32_t* table, int64_t bs, int64_t n, int64_t g, int64_t d, int64_t s_all,
@@ -243,6 +329,7 @@ at::Tensor lt_paged_attention(const at::Tensor& q_in, const at::Tensor& kc, cons
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> sc;
       std::vector<float> work;
+      std::vector<float> vf;
       for (int64_t i = i0; i < i1; ++i) {
         // alternate the two ends of the block list: blocks of a causal prefill grow in cost with their index
         const int64_t k = i / kvh, hk = i % kvh;
@@ -261,6 +348,9 @@ at::Tensor lt_paged_attention(const at::Tensor& q_in, const at::Tensor& kc, cons
               qk_block<scalar_t>(qp + (r0 * h + hk * g) * d, h * d, nb, n_max, kp, table, block_size, g, d, s_all,
                                  hk, sc_f, sc.data(), lda, work.data(), work.data() + nb * g * d,
                                  work.data() + nb * g * d + 16 * d);
+              if (softmax_pv_block<scalar_t>(vp, table, block_size, rl + r0, nb, g, d, s_all, hk, sc.data(), lda,
+                                             op + (r0 * h + hk * g) * d, h * d, vf))
+                continue;
             } else {
               for (int64_t j = 0; j < nb; ++j)
                 qk_row<scalar_t>(qp + ((r0 + j) * h + hk * g) * d, kp, table, block_size, rl[r0 + j], g, d, s_all,
