@@ -120,6 +120,15 @@ class Backend(ABC):
         inter = gate_up.shape[-1] // 2
         return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
+    def rotary_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     cache, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """RoPE of ``q [T, H, D]`` and ``k [T, KVH, D]`` (:meth:`rotary`), then the rotated keys and ``v`` stored in
+        ``cache`` (:meth:`~backends.kv_cache.PagedKVCache.write`) at ``slots [T]``; returns the rotated q. Backends
+        may fuse the two (the torch backend does on CPUs with its C++ extension)."""
+        q, k = self.rotary(q, k, cos, sin)
+        cache.write(layer, k, v, slots)
+        return q
+
     @abstractmethod
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """Rotary position embedding (Su et al. 2021, RoFormer), rotate-half convention.

@@ -197,7 +197,8 @@ class TorchBackend(Backend):
             "add_rms_norm": ("liteturbo C++ kernel (add fused with rms_norm)" if cpu else
                              ref + " (unfused add, then rms_norm)"),
             "silu_and_mul": ("liteturbo C++ kernel (AVX-512 exp)" if cpu else ref),
-            "rotary": ("liteturbo C++ kernel (q and k read in place from the fused QKV)" if cpu else ref),
+            "rotary": ("liteturbo C++ kernel (q and k read in place from the fused QKV; with a 16-bit cache fused with "
+                       "the KV write)" if cpu else ref),
             "attention": ("torch SDPA (prefill) + batched matmul decode over the gathered paged KV"
                           + ("; a 16-bit cache: liteturbo C++ paged attention over the block tables, all rows of a "
                              "step in one call" if cpu else "")),
@@ -296,6 +297,14 @@ class TorchBackend(Backend):
         if self.ext is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
             return self.ext.rotary(q, cos, sin), self.ext.rotary(k, cos, sin)
         return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+
+    def rotary_write(self, q, k, v, cos, sin, cache: PagedKVCache, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """See :meth:`Backend.rotary_write`: one C++ call for a 16/32-bit cache of q's dtype on CPUs with the
+        extension (q/k/v read in place from the fused QKV output), else rotary then ``cache.write``."""
+        if (self.ext is not None and not cache.spec.quantized and cache.k[layer].dtype == q.dtype == k.dtype == v.dtype
+                and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+            return self.ext.rotary_kv_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], slots)
+        return super().rotary_write(q, k, v, cos, sin, cache, layer, slots)
 
     # --- paged KV --------------------------------------------------------------------------------
     def attention(self, q, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -208,6 +208,38 @@ def test_fused_elementwise_match_the_torch_ops(dtype, rows):
     assert torch.equal(qa, qb) and torch.equal(ka, kb)  # one product each, rounded as torch rounds
 
 
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_rotary_kv_write_equals_rotary_then_write(dtype, rows):
+    """The fused call gives the rotary op's q and stores exactly what rotary + PagedKVCache.write store, into the
+    given slots only (the rest of the cache keeps its poison)."""
+    from backends import KVCacheSpec
+    from backends.kv_cache import PagedKVCache
+
+    g = torch.Generator().manual_seed(rows)
+    nh, nkv, d = 9, 3, 64
+    qkv = torch.randn(rows, (nh + 2 * nkv) * d, generator=g).to(dtype)
+    q = qkv[:, :nh * d].view(rows, nh, d)
+    k = qkv[:, nh * d:(nh + nkv) * d].view(rows, nkv, d)
+    v = qkv[:, (nh + nkv) * d:].view(rows, nkv, d)
+    ang = torch.rand(rows, 1, d // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    slots = torch.randperm(32 * 16, generator=g)[:rows]
+    caches = []
+    for be in (TorchBackend("cpu"), _torch_ref_backend()):
+        cache = PagedKVCache(KVCacheSpec("float32" if dtype == torch.float32 else str(dtype).split(".")[1], 32, 16,
+                                         2, nkv, d), "cpu", dtype)
+        for t in (cache.k[1], cache.v[1]):
+            t.fill_(float("nan"))
+        caches.append((be.rotary_write(q, k, v, cos, sin, cache, 1, slots), cache))
+    (qa, ca), (qb, cb) = caches
+    assert torch.equal(qa, qb)
+    for a, b in ((ca.k[1], cb.k[1]), (ca.v[1], cb.v[1])):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+        assert torch.isfinite(a[:, slots]).all() and torch.isnan(a).sum() == a.numel() - a[:, slots].numel()
+
+
 def _paged_ref(q, kc, vc, tables, bs, row_seq, row_len, scale):
     """float64 attention of each row over its sequence's first ``row_len`` tokens, read through the block table."""
     out = torch.empty(q.shape, dtype=torch.float64)

@@ -361,8 +361,7 @@ class LlamaModel:
             if layer.q_norm is not None:
                 q = be.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = be.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = be.rotary(q, k, cos, sin)
-            kv_cache.write(i, k, v, meta.slot_mapping)
+            q = be.rotary_write(q, k, v, cos, sin, kv_cache, i, meta.slot_mapping)
             a = be.attention(q, kv_cache, i, meta, self.scale)
             x, h = be.add_rms_norm(layer.o(a.reshape(t, q_size)), h, layer.post_norm, cfg.rms_norm_eps)
             y = layer.down(be.silu_and_mul(layer.gate_up(x)))

@@ -11,6 +11,9 @@ std::tuple<at::Tensor, at::Tensor> lt_add_rms_norm(const at::Tensor& x, const at
                                                    const at::Tensor& weight, double eps);
 at::Tensor lt_silu_and_mul(const at::Tensor& gate_up);
 at::Tensor lt_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor lt_rotary_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                              const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& slots);
 at::Tensor lt_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, int64_t block_size, const at::Tensor& row_seq,
                               const at::Tensor& row_len, double scale);
@@ -23,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &lt_add_rms_norm, "residual add + RMSNorm -> (normed, sum)");
   m.def("silu_and_mul", &lt_silu_and_mul, "silu(gate) * up for gate_up [T, 2I]");
   m.def("rotary", &lt_rotary, "rotate-half RoPE of [T, heads, D] -> contiguous copy");
+  m.def("rotary_kv_write", &lt_rotary_kv_write,
+        "RoPE of q and k, rotated k and v written to one layer of a 16/32-bit paged cache at slots -> rotated q");
   m.def("paged_attention", &lt_paged_attention,
         "attention of prefill and decode rows over a 16/32-bit paged cache through block tables (attention_cpu.cpp)");
 }

@@ -8,6 +8,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -142,6 +143,22 @@ at::Tensor lt_silu_and_mul(const at::Tensor& gu_in) {
   return out;
 }
 
+namespace {
+
+// One head's rotate-half RoPE: out = x * cos + rotate_half(x) * sin, rounded to T after each op (as the torch ops)
+template <typename T>
+inline void rotate_row(const T* xr, const T* cr, const T* sr, T* orow, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < d; ++j) {
+    const float rot = j < half ? -static_cast<float>(xr[j + half]) : static_cast<float>(xr[j - half]);
+    const T a = rnd<T>(static_cast<float>(xr[j]) * static_cast<float>(cr[j]));
+    const T b = rnd<T>(static_cast<T>(rot) * static_cast<float>(sr[j]));
+    orow[j] = rnd<T>(static_cast<float>(a) + static_cast<float>(b));
+  }
+}
+
+}  // namespace
+
 // Rotate-half RoPE (Su et al. 2021) of x [T, heads, D] (last dim contiguous, any row/head strides) with cos/sin
 // [T, 1, D] in x's dtype → a new contiguous [T, heads, D]: x * cos + rotate_half(x) * sin, rounded after each op.
 at::Tensor lt_rotary(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
@@ -163,11 +180,57 @@ at::Tensor lt_rotary(const at::Tensor& x, const at::Tensor& cos_in, const at::Te
         const scalar_t* cr = cp + ti * d;
         const scalar_t* sr = sp + ti * d;
         scalar_t* orow = op + i * d;
-        for (int64_t j = 0; j < d; ++j) {
-          const float rot = j < half ? -static_cast<float>(xr[j + half]) : static_cast<float>(xr[j - half]);
-          const scalar_t a = rnd<scalar_t>(static_cast<float>(xr[j]) * static_cast<float>(cr[j]));
-          const scalar_t b = rnd<scalar_t>(static_cast<scalar_t>(rot) * static_cast<float>(sr[j]));
-          orow[j] = rnd<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+        rotate_row(xr, cr, sr, orow, d);
+      }
+    });
+  });
+  return out;
+}
+
+// RoPE of q and k plus the KV-cache write in one call: q [T, H, D], k/v [T, KVH, D] (last dim contiguous, any row and
+// head strides, e.g. views into the fused QKV output), cos/sin [T, 1, D]; the rotated keys and the values go to
+// k_cache/v_cache [KVH, S, D] (one layer of a 16/32-bit paged cache) at slots int64 [T]; returns the rotated q
+// [T, H, D] (contiguous). The same numbers as rotary() followed by PagedKVCache.write.
+at::Tensor lt_rotary_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos_in,
+                              const at::Tensor& sin_in, const at::Tensor& kc, const at::Tensor& vc,
+                              const at::Tensor& slots_in) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.stride(2) == 1 && k.stride(2) == 1 &&
+              v.stride(2) == 1, "q [T, H, D], k/v [T, KVH, D] with a contiguous last dim");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 && vc.sizes() == kc.sizes(),
+              "k/v cache must be contiguous [KVH, S, D]");
+  TORCH_CHECK(kc.scalar_type() == q.scalar_type() && k.scalar_type() == q.scalar_type() &&
+              v.scalar_type() == q.scalar_type(), "q, k, v and the cache must share a dtype");
+  const int64_t t = q.size(0), heads = q.size(1), d = q.size(2), kvh = k.size(1), s_all = kc.size(1);
+  TORCH_CHECK(k.size(0) == t && k.size(2) == d && kc.size(0) == kvh && kc.size(2) == d, "shape mismatch");
+  const at::Tensor c = cos_in.to(q.scalar_type()).contiguous(), sn = sin_in.to(q.scalar_type()).contiguous(),
+                   slots = slots_in.to(at::kLong).contiguous();
+  TORCH_CHECK(c.numel() == t * d && sn.numel() == t * d && slots.numel() == t, "cos/sin [T, 1, D], slots [T]");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sl[i] >= 0 && sl[i] < s_all, "slot ", sl[i], " out of range");
+  auto out = at::empty({t, heads, d}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "lt_rotary_kv_write", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    const scalar_t* cp = c.data_ptr<scalar_t>();
+    const scalar_t* sp = sn.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* kcp = kc.data_ptr<scalar_t>();
+    scalar_t* vcp = vc.data_ptr<scalar_t>();
+    const int64_t per = heads + kvh;
+    at::parallel_for(0, t * per, grain_rows(d), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t ti = i / per, hi = i % per;
+        const scalar_t* cr = cp + ti * d;
+        const scalar_t* sr = sp + ti * d;
+        if (hi < heads) {
+          rotate_row(qp + ti * q.stride(0) + hi * q.stride(1), cr, sr, op + (ti * heads + hi) * d, d);
+        } else {
+          const int64_t hk = hi - heads;
+          const int64_t dst = (hk * s_all + sl[ti]) * d;
+          rotate_row(kp + ti * k.stride(0) + hk * k.stride(1), cr, sr, kcp + dst, d);
+          const scalar_t* vr = vp + ti * v.stride(0) + hk * v.stride(1);
+          std::copy(vr, vr + d, vcp + dst);
         }
       }
     });
