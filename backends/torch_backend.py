@@ -189,8 +189,9 @@ class TorchBackend(Backend):
         return {
             **super().op_coverage(platform),
             "linear": "torch F.linear",
-            "w4a16_linear": ("torch int4pack kernel (aten._weight_int4pack_mm_for_cpu); dequantize + matmul for "
-                             "many rows or layouts it cannot take" if cpu else "dequantize + matmul"),
+            "w4a16_linear": ("torch int4pack kernel (aten._weight_int4pack_mm_for_cpu) for up to 5 rows; from 6 rows "
+                             "liteturbo's C++ tiled W4A16 GEMM (bf16, AVX-512 BF16), else dequantize + matmul for "
+                             "many rows or layouts int4pack cannot take" if cpu else "dequantize + matmul"),
             "w8a16_linear": ("torch int8pack kernel (aten._weight_int8pack_mm, 16-bit activations); tiled "
                              "dequantize + matmul for many rows" if cpu else "dequantize + matmul"),
             "rms_norm": ("liteturbo C++ kernel (fused)" if cpu else ref),
