@@ -24,6 +24,11 @@ from .kv_cache import PagedKVCache
 from .types import AttentionMetadata, LinearSpec, QuantizedWeight
 
 _INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
+# the aten kernels through their torch._* bindings where present (about 1 us less per call than torch.ops.aten's
+# Python-level dispatch, which a batch-1 decode step pays ~150 times)
+_int4pack_mm = getattr(torch, "_weight_int4pack_mm_for_cpu", None) or getattr(
+    torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+_int8pack_mm = getattr(torch, "_weight_int8pack_mm", None) or getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 
 
 @dataclass
@@ -250,8 +255,7 @@ class TorchBackend(Backend):
             elif xin.shape[0] >= self.dequant_min_rows and handle.nibbles is not None:
                 y = F.linear(xin, dequantize_nibbles(handle), handle.bias)
             else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(xin, handle.packed, handle.group_size,
-                                                               handle.scale_zeros)
+                y = _int4pack_mm(xin, handle.packed, handle.group_size, handle.scale_zeros)
                 if handle.bias is not None:
                     y = y + handle.bias
             return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -265,7 +269,7 @@ class TorchBackend(Backend):
                 torch.ops.aten, "_weight_int8pack_mm"):
             if x.shape[0] >= self.int8_tile_min_rows:
                 return _int8_tiled_mm(x, q, scales.to(x.dtype))
-            return torch.ops.aten._weight_int8pack_mm(x, q, scales.to(x.dtype))
+            return _int8pack_mm(x, q, scales if scales.dtype == x.dtype else scales.to(x.dtype))
         return super().w8a16_linear(x, handle)
 
     # --- elementwise ----------------------------------------------------------------------------
@@ -316,19 +320,19 @@ class TorchBackend(Backend):
         longest context (softmax in float32, padding masked): CPU SDPA takes ~10x longer for a batch of 32
         decode rows in bf16. K/V come from ``cache.gather`` (dequantized there for int8/int4 caches), in the
         space of ``cache.attention_query(q)``; ``cache.attention_output`` maps the result back."""
+        # a 16-bit cache on a CPU with the C++ extension: every row (prefill, chunked prefill, decode) in one call
+        # that reads K/V in place through the block tables (decided once per step; such a cache has no calibrated
+        # transform, so attention_query/attention_output are the identity)
+        paged = meta.scratch.get("cpu_paged_attn")
+        if paged is None:
+            fast = (self.ext is not None and not cache.spec.quantized and not self.batch_invariant
+                    and cache.k[layer].dtype == q.dtype and meta.query_start[-1] == q.shape[0])
+            paged = meta.scratch["cpu_paged_attn"] = _paged_rows(meta) if fast else ()
+        if paged:
+            return self.ext.paged_attention(q, cache.k[layer], cache.v[layer], paged[0], meta.block_size, paged[1],
+                                            paged[2], scale)
         kvh, d = cache.spec.num_kv_heads, cache.spec.head_dim
         q = cache.attention_query(layer, q)
-        # a 16-bit cache on a CPU with the C++ extension: every row (prefill, chunked prefill, decode) in one call
-        # that reads K/V in place through the block tables
-        if self.ext is not None and not cache.spec.quantized and not self.batch_invariant \
-                and cache.k[layer].dtype == q.dtype and meta.query_start[-1] == q.shape[0]:
-            paged = meta.scratch.get("cpu_paged_attn")
-            if paged is None:
-                paged = meta.scratch["cpu_paged_attn"] = _paged_rows(meta)
-            tables, row_seq, row_len = paged
-            o = self.ext.paged_attention(q, cache.k[layer], cache.v[layer], tables, meta.block_size, row_seq,
-                                         row_len, scale)
-            return cache.attention_output(layer, o)
         plan = meta.scratch.get("torch_attn")
         if plan is None:  # gather indices and masks are the same for every layer of the step
             plan = meta.scratch["torch_attn"] = _attention_plan(meta, meta.block_size, q.device, self.batch_invariant)
