@@ -57,51 +57,108 @@ def build_dir() -> Path:
 def load():
     """The compiled module, or ``None`` when disabled or when it cannot be built here (warned once, with the reason
     and the fallback). Functions: ``w4a16_tiles_mm``, ``has_w4_tiles`` (``csrc/w4a16_gemm_cpu.cpp``); ``rms_norm``,
-    ``add_rms_norm``, ``silu_and_mul``, ``rotary`` (``csrc/ops_cpu.cpp``); ``paged_attention``
-    (``csrc/attention_cpu.cpp``)."""
+    ``add_rms_norm``, ``silu_and_mul``, ``rotary``, ``rotary_kv_write`` (``csrc/ops_cpu.cpp``); ``paged_attention``
+    (``csrc/attention_cpu.cpp``).
+
+    The first build on a machine says so on stderr (it takes ~25-60 s). A cached ``.so`` that is not a shared
+    library (truncated, overwritten) is deleted first, so that the build relinks it (a few seconds)."""
     if not enabled():
         return None
     with _lock:
         if "module" in _state:
             return _state["module"]
-        module = None
+        module, d = None, None
         try:
-            from torch.utils.cpp_extension import load as cpp_load
-
             d = build_dir()
-            d.mkdir(parents=True, exist_ok=True)
-            _clear_stale_lock(d)
-            module = cpp_load(name=f"liteturbo_cpu_{d.name.rsplit('_', 1)[-1]}", sources=[str(p) for p in _SOURCES],
-                              extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
+            module = _build(d)
         except Exception as e:  # no compiler / ninja, a failed build: keep the torch kernels
-            msg = str(e).strip().splitlines()
-            warnings.warn(f"liteturbo: cannot compile the C++ CPU kernels ({msg[-1][:300] if msg else type(e).__name__}); "
-                          f"using the pure-torch kernels (slower W4A16 on CPU). Install a C++ compiler and "
-                          f"`pip install ninja`, or set LITETURBO_CPU_EXT=0 to silence this.", RuntimeWarning,
-                          stacklevel=2)
+            where = f" (build folder {d}; delete it to retry)" if d is not None else ""
+            warnings.warn(f"liteturbo: cannot build or load the C++ CPU kernels ({_last_line(e)}){where}; using the "
+                          f"pure-torch kernels (slower on CPU). A compiler problem: install g++ and `pip install "
+                          f"ninja`; set LITETURBO_CPU_EXT=0 to silence this.", RuntimeWarning, stacklevel=2)
             module = None
         _state["module"] = module
         return module
 
 
-STALE_LOCK_SECONDS = 600
+def status() -> str:
+    """What the torch backend gets on this machine, without building anything: ``"off"`` (LITETURBO_CPU_EXT=0),
+    ``"loaded"`` / ``"failed"`` (tried in this process), ``"built"`` (cached for this source, torch and CPU: loads at
+    once), ``"not built yet"`` (compiles at the first engine start)."""
+    if not enabled():
+        return "off"
+    if "module" in _state:
+        return "loaded" if _state["module"] is not None else "failed"
+    try:
+        return "built" if _built(build_dir()) else "not built yet"
+    except Exception:
+        return "not built yet"
 
 
-def _clear_stale_lock(d: Path) -> None:
-    """torch's builder waits on ``<build dir>/lock`` while another process compiles; a build killed midway (Ctrl-C)
-    leaves it behind and every later start would wait forever. A lock older than :data:`STALE_LOCK_SECONDS` (a build
-    takes well under a minute) is removed, with a warning."""
+def _last_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return msg[-1][:300] if msg else type(e).__name__
+
+
+def _module_name(d: Path) -> str:
+    return f"liteturbo_cpu_{d.name.rsplit('_', 1)[-1]}"
+
+
+def _built(d: Path) -> bool:
+    return (d / f"{_module_name(d)}.so").exists()
+
+
+def _build(d: Path):
+    import sys
+
+    from torch.utils.cpp_extension import load as cpp_load
+
+    so = d / f"{_module_name(d)}.so"
+    if so.exists():
+        with open(so, "rb") as f:
+            head = f.read(4)
+        if head != b"\x7fELF":
+            print(f"liteturbo: the cached C++ CPU kernels {so} are damaged ({so.stat().st_size} bytes, not a shared "
+                  f"library); rebuilding", file=sys.stderr, flush=True)
+            so.unlink()
+    fresh = not _built(d)
+    d.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(d)
+    if fresh:
+        print("liteturbo: compiling the C++ CPU kernels (once per machine, ~25-60 s) ...", file=sys.stderr, flush=True)
+    return cpp_load(name=_module_name(d), sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
+
+
+STALE_LOCK_SECONDS = 180
+
+
+def _clear_stale_lock(d: Path, poll_seconds: float = 1.0) -> None:
+    """torch's builder waits on ``<build dir>/lock`` while another process compiles, with no time limit; a build
+    killed midway (Ctrl-C) leaves the lock behind and every later start would wait forever. This waits (saying so on
+    stderr) while the lock is younger than :data:`STALE_LOCK_SECONDS` (a build takes under a minute) and removes it,
+    with a warning, once it is older."""
+    import sys
     import time
 
     lock = d / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        warnings.warn(f"liteturbo: removing a stale build lock {lock} ({age / 60:.0f} minutes old; an interrupted "
-                      f"build) before compiling the C++ CPU kernels", RuntimeWarning, stacklevel=3)
-        lock.unlink(missing_ok=True)
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            warnings.warn(f"liteturbo: removing a stale build lock {lock} ({age / 60:.0f} minutes old; an interrupted "
+                          f"build) before compiling the C++ CPU kernels", RuntimeWarning, stacklevel=3)
+            lock.unlink(missing_ok=True)
+            return
+        if not said:
+            print(f"liteturbo: waiting for another process's build of the C++ CPU kernels (lock {lock}, {age:.0f} s "
+                  f"old; if no other liteturbo process is starting, an interrupted build left it: delete it, or it is "
+                  f"removed when {STALE_LOCK_SECONDS} s old)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(poll_seconds)
 
 
 def pack_w4_tiles(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,

@@ -145,7 +145,8 @@ class TorchBackend(Backend):
     """Plain-torch kernels. ``int4_kernel=False`` forces the dequantize-then-matmul fallback.
 
     ``dequant_min_rows``: inputs with at least this many rows (prefill chunks, big decode batches) dequantize
-    the int4 weight to ``dtype`` and run one dense GEMM; fewer rows use the int4pack kernel, whose cost
+    the int4 weight to ``dtype`` and run one dense GEMM (float32 weights: at every row count, except in
+    ``batch_invariant`` mode); fewer rows use the int4pack kernel, whose cost
     grows with every row (`python bench/kernels.py`, 2 threads, 3072x576 weight: 1,024 rows take ~21.6 ms in
     int4pack vs ~9.8 ms as dequant + bf16 GEMM; over SmolLM2's shapes the two cross between 64 and 96 rows).
     ``int8_tile_min_rows``: the same switch for an int8 lm_head, which is dequantized tile by tile (SmolLM2's
@@ -188,26 +189,33 @@ class TorchBackend(Backend):
 
     @classmethod
     def op_coverage(cls, platform=None) -> dict[str, str]:
-        """See :meth:`Backend.op_coverage`; the fused CPU kernels apply where ``platform`` is a CPU (or ``None``)."""
+        """See :meth:`Backend.op_coverage`; the C++ CPU kernels are named where ``platform`` is a CPU (or ``None``)
+        and the extension is neither turned off (LITETURBO_CPU_EXT=0) nor failed to build in this process
+        (:func:`backends.cpu_ext.status`; nothing is built to answer)."""
+        from . import cpu_ext
+
         cpu = platform is None or platform.kind == "cpu"
+        ext = cpu and cpu_ext.status() not in ("off", "failed")
         ref = "torch reference"
+        int4 = "torch int4pack kernel (aten._weight_int4pack_mm_for_cpu)"
         return {
             **super().op_coverage(platform),
             "linear": "torch F.linear",
-            "w4a16_linear": ("torch int4pack kernel (aten._weight_int4pack_mm_for_cpu) for up to 5 rows; from 6 rows "
-                             "liteturbo's C++ tiled W4A16 GEMM (bf16, AVX-512 BF16), else dequantize + matmul for "
-                             "many rows or layouts int4pack cannot take" if cpu else "dequantize + matmul"),
+            "w4a16_linear": ((int4 + " for up to 5 rows; from 6 rows liteturbo's C++ tiled W4A16 GEMM (bf16, AVX-512 "
+                              "BF16), else dequantize + matmul for many rows or layouts int4pack cannot take") if ext
+                             else (int4 + "; dequantize + matmul for many rows or layouts it cannot take") if cpu
+                             else "dequantize + matmul"),
             "w8a16_linear": ("torch int8pack kernel (aten._weight_int8pack_mm, 16-bit activations); tiled "
                              "dequantize + matmul for many rows" if cpu else "dequantize + matmul"),
-            "rms_norm": ("liteturbo C++ kernel (fused)" if cpu else ref),
-            "add_rms_norm": ("liteturbo C++ kernel (add fused with rms_norm)" if cpu else
+            "rms_norm": ("liteturbo C++ kernel (fused)" if ext else ref),
+            "add_rms_norm": ("liteturbo C++ kernel (add fused with rms_norm)" if ext else
                              ref + " (unfused add, then rms_norm)"),
-            "silu_and_mul": ("liteturbo C++ kernel (AVX-512 exp)" if cpu else ref),
+            "silu_and_mul": ("liteturbo C++ kernel (AVX-512 exp)" if ext else ref),
             "rotary": ("liteturbo C++ kernel (q and k read in place from the fused QKV; with a 16-bit cache fused with "
-                       "the KV write)" if cpu else ref),
+                       "the KV write)" if ext else ref),
             "attention": ("torch SDPA (prefill) + batched matmul decode over the gathered paged KV"
                           + ("; a 16-bit cache: liteturbo C++ paged attention over the block tables, all rows of a "
-                             "step in one call" if cpu else "")),
+                             "step in one call" if ext else "")),
             "kv_write_int8": ref + " (quantize per token + index_copy)",
             "kv_write_int4": ref + " (quantize per token, pack nibbles + index_copy)",
         }
@@ -252,7 +260,10 @@ class TorchBackend(Backend):
                 y = self.ext.w4a16_tiles_mm(xin.contiguous(), *handle.tiles, handle.group_size)
                 if handle.bias is not None:
                     y = y + handle.bias
-            elif xin.shape[0] >= self.dequant_min_rows and handle.nibbles is not None:
+            elif handle.nibbles is not None and (xin.shape[0] >= self.dequant_min_rows or (
+                    handle.dtype == torch.float32 and not self.batch_invariant)):
+                # float32: torch 2.13's int4pack kernel is ~35x slower than in bf16 (0.65 vs 0.019 ms for one row of
+                # 1536x576), dequantize + sgemm is faster at every row count
                 y = F.linear(xin, dequantize_nibbles(handle), handle.bias)
             else:
                 y = _int4pack_mm(xin, handle.packed, handle.group_size, handle.scale_zeros)

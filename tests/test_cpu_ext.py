@@ -16,6 +16,7 @@ import torch
 from backends import QuantizedWeight, TorchBackend, cpu_ext
 
 ext = cpu_ext.load()
+_HOME_BUILD = cpu_ext.build_dir()  # where this process's extension was built (LITETURBO_HOME at import)
 needs_ext = pytest.mark.skipif(ext is None, reason="the C++ CPU extension cannot be compiled here")
 
 
@@ -133,7 +134,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
         raise RuntimeError("Ninja is required to load C++ extensions")
     monkeypatch.setattr(ce, "load", broken)
     monkeypatch.setattr(cpu_ext, "_state", {})
-    with pytest.warns(RuntimeWarning, match="cannot compile the C.. CPU kernels .*Ninja is required.*pure-torch"):
+    with pytest.warns(RuntimeWarning, match="cannot build or load the C.. CPU kernels .*Ninja is required.*pure-torch"):
         assert cpu_ext.load() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -143,20 +144,54 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
     assert be.prepare_w4a16(_qw(64, 576, 64, seed=1), torch.bfloat16).tiles is None
 
 
-def test_a_stale_build_lock_is_removed(tmp_path):
-    """An interrupted first build leaves torch's lock file; a later start must not wait on it forever."""
+def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch, capsys):
+    """An interrupted first build leaves torch's lock file: a later start waits on a young lock (saying so) and
+    removes it once it is STALE_LOCK_SECONDS old, instead of waiting forever."""
     import os
     import time
 
     lock = tmp_path / "lock"
     lock.write_text("")
-    cpu_ext._clear_stale_lock(tmp_path)
-    assert lock.exists()  # fresh: another process may be compiling right now
-    old = time.time() - cpu_ext.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
+    monkeypatch.setattr(cpu_ext, "STALE_LOCK_SECONDS", 0.3)
     with pytest.warns(RuntimeWarning, match="removing a stale build lock"):
-        cpu_ext._clear_stale_lock(tmp_path)
+        cpu_ext._clear_stale_lock(tmp_path, poll_seconds=0.05)
     assert not lock.exists()
+    assert "waiting for another process's build" in capsys.readouterr().err
+    lock.write_text("")  # released by its owner while we wait: no warning, nothing removed by us
+    old = time.time() - 0.2
+    os.utime(lock, (old, old))
+    import threading
+
+    threading.Timer(0.05, lambda: lock.unlink()).start()
+    cpu_ext._clear_stale_lock(tmp_path, poll_seconds=0.01)
+    assert not lock.exists()
+
+
+@needs_ext
+def test_a_damaged_cached_build_is_rebuilt(tmp_path):
+    """A truncated .so in the cache (a fresh process, as a user's next start) is deleted and relinked, saying so,
+    instead of a fallback on every start; status() reports what an engine would get without building."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    d = home / "torch_ext" / _HOME_BUILD.name
+    shutil.copytree(_HOME_BUILD, d)
+    so = d / f"{cpu_ext._module_name(d)}.so"
+    so.write_bytes(b"")
+    code = ("from backends import cpu_ext; print(cpu_ext.status()); m = cpu_ext.load(); "
+            "print(m is not None, cpu_ext.status())")
+    env = dict(os.environ, LITETURBO_HOME=str(home), LITETURBO_CPU_EXT="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["built", "True", "loaded"], r.stdout
+    assert "are damaged (0 bytes" in r.stderr and "rebuilding" in r.stderr and so.read_bytes()[:4] == b"\x7fELF"
+    env["LITETURBO_CPU_EXT"] = "0"
+    r = subprocess.run([sys.executable, "-c", "from backends import cpu_ext; print(cpu_ext.status())"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.stdout.strip() == "off"
 
 
 @pytest.mark.parametrize("shape", [(64, 576, 32), (48, 96, 32)])
@@ -377,3 +412,39 @@ def test_tied_int8_lm_head_uses_the_embedding_table_for_many_rows(smollm2_rtn_g6
     e.generate([list(range(100, 140))] * 16, max_new_tokens=2, ignore_eos=True)
     assert calls and all(n >= 16 for n in calls)  # the step of 16 sequences; a lone prompt's row stays int8
     assert TorchBackend("cpu", batch_invariant=True).dense_lm_head_min_rows > 1 << 40
+
+
+def test_env_and_op_coverage_follow_the_extension_switch(monkeypatch):
+    """`liteturbo env` names the C++ kernels only when an engine would use them (not with LITETURBO_CPU_EXT=0, not
+    after a failed build)."""
+    from backends.platform import current_platform
+    from turbo.cli import env_report
+
+    plat = current_platform("cpu")
+    monkeypatch.setenv("LITETURBO_CPU_EXT", "0")
+    assert env_report("cpu")["software"]["cpu_kernels"] == "off"
+    cov = TorchBackend.op_coverage(plat)
+    assert cov["rms_norm"] == "torch reference" and "C++" not in cov["w4a16_linear"] + cov["attention"]
+    monkeypatch.setenv("LITETURBO_CPU_EXT", "1")
+    monkeypatch.setattr(cpu_ext, "_state", {"module": None})  # a failed build in this process
+    assert cpu_ext.status() == "failed" and TorchBackend.op_coverage(plat)["rotary"] == "torch reference"
+    if ext is not None:
+        monkeypatch.setattr(cpu_ext, "_state", {"module": ext})
+        assert cpu_ext.status() == "loaded" and "C++" in TorchBackend.op_coverage(plat)["attention"]
+
+
+def test_float32_w4a16_dequantizes_instead_of_int4pack(monkeypatch):
+    """float32 4-bit linears skip torch's int4pack (35x slower in float32 than in bf16 here) at every row count,
+    except in batch_invariant mode; the product still matches float64."""
+    import backends.torch_backend as tb
+
+    qw = _qw(64, 576, 64, seed=5)
+    calls = []
+    real = tb._int4pack_mm
+    monkeypatch.setattr(tb, "_int4pack_mm", lambda *a: calls.append(1) or real(*a))
+    for invariant in (False, True):
+        be = TorchBackend("cpu", batch_invariant=invariant)
+        h = be.prepare_w4a16(qw, torch.float32)
+        x = torch.randn(1, 576)
+        _close(be.w4a16_linear(x, h), _ref(x, qw), 2e-5)
+        assert bool(calls) == invariant

@@ -477,7 +477,8 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
 def env_report(device: str = "auto") -> dict:
     """What ``liteturbo env`` reports, JSON-ready: ``hardware`` (CPU name, SIMD flags, cores, RAM; GPUs and NPUs torch
     sees), ``software`` (python, torch, CUDA/HIP, triton, transformers, torch_npu versions; ``TRITON_INTERPRET``),
-    ``platform`` (:meth:`backends.platform.Platform.describe` of ``device``) and ``backends`` (every registered
+    ``cpu_kernels``: :func:`backends.cpu_ext.status`), ``platform`` (:meth:`backends.platform.Platform.describe` of
+    ``device``) and ``backends`` (every registered
     backend: ``usable``, ``reason`` when not, ``default``, ``ops``: its op coverage on that platform).
     Raises ``LiteturboError`` for an unknown device or one this machine lacks."""
     import importlib.metadata as md
@@ -487,7 +488,7 @@ def env_report(device: str = "auto") -> dict:
     import psutil
     import torch
 
-    from backends import backend_classes
+    from backends import backend_classes, cpu_ext
     from backends.platform import _npu_available, cpu_flags, cpu_name, current_platform, triton_interpret
 
     def version(dist: str) -> str:
@@ -522,7 +523,8 @@ def env_report(device: str = "auto") -> dict:
     software = {"python": pyplat.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                 "hip": getattr(torch.version, "hip", None), "triton": version("triton"),
                 "transformers": version("transformers"), "torch_npu": _torch_npu_version(version("torch_npu")),
-                "triton_interpret": triton_interpret(), "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
+                "triton_interpret": triton_interpret(), "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+                "cpu_kernels": cpu_ext.status(), "LITETURBO_CPU_EXT": os.environ.get("LITETURBO_CPU_EXT")}
     default = plat.default_backend()
     backends_ = {}
     for name, cls in backend_classes().items():
@@ -580,7 +582,11 @@ def format_env(r: dict) -> str:
         ("torch", f"{sw['torch']} (CUDA {sw['cuda'] or '-'}, HIP {sw['hip'] or '-'})"),
         ("triton", sw["triton"]), ("transformers", sw["transformers"]), ("torch_npu", sw["torch_npu"]),
         ("TRITON_INTERPRET", f"{interp if interp is not None else 'unset'} "
-                             f"({'interpreter on' if sw['triton_interpret'] else 'interpreter off'})")])
+                             f"({'interpreter on' if sw['triton_interpret'] else 'interpreter off'})"),
+        ("C++ CPU kernels", {"off": "off (LITETURBO_CPU_EXT=0)", "failed": "failed to build or load; torch ops instead",
+                             "loaded": "loaded", "built": "built (cached)",
+                             "not built yet": "not built yet (compiled at the first engine start, ~25-60 s)"}
+         [sw["cpu_kernels"]])])
     section(f"backends on {pl['kind']}", [
         (name, ("usable" + (", default" if b["default"] else "")) if b["usable"] else f"not usable: {b['reason']}")
         for name, b in r["backends"].items()])
