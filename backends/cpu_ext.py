@@ -175,5 +175,6 @@ def pack_w4_tiles(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
     packed = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 3, 1, 2, 4).reshape(n // 32, k // 4, 64).contiguous()
 
     def lanes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[N, G]`` → ``[N/32, G, 2, 16]`` (per channel block and group, the two sub-blocks' 16 channels)."""
         return t.to(dtype).view(n // 32, 2, 16, g).permute(0, 3, 1, 2).contiguous()
     return packed, lanes(zeros, torch.int16), lanes(scales, torch.bfloat16)

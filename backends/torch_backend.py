@@ -153,10 +153,11 @@ class TorchBackend(Backend):
     49152x576 head, 2 threads, `python bench/kernels.py --suite choices`: int8pack 2.7 ms vs tiled 5.2 at 12 rows,
     7.3 vs 6.4 at 32).
     ``tiles_min_rows``: from this many rows a bf16 4-bit linear runs liteturbo's C++ tiled W4A16 GEMM (each weight
-    tile dequantized once per call, AVX-512 BF16 dot products; `python bench/cpu_ops.py`: 2.3x int4pack at 32 rows,
-    2.9x at 512, even at 4-8 rows), where the CPU and the shapes allow (see :class:`Int4PackHandle`).
+    tile dequantized once per call, AVX-512 BF16 dot products; `python bench/kernels.py --suite choices`: 2.3x
+    int4pack at 32 rows, 3.1x at 1,024, even between 4 and 8 rows), where the CPU and the shapes allow (see
+    :class:`Int4PackHandle`).
     ``dense_lm_head_min_rows``: an int8 lm_head tied to the 16-bit embedding table multiplies by that table from
-    this many rows (5.0 ms at 32 rows; about equal to int8pack at 12-16).
+    this many rows (the same script's int8 lm_head rows: the dense bf16 column against int8pack).
 
     ``batch_invariant=True`` keeps every token's numbers independent of the step it runs in: int4pack and
     int8pack for any row count (both compute each row on its own), the batched decode attention even for
@@ -174,8 +175,8 @@ class TorchBackend(Backend):
                  tiles_min_rows: int = 6) -> None:
         super().__init__(device, batch_invariant)
         self.int4_kernel = int4_kernel
-        # liteturbo's C++ kernels (backends/cpu_ext.py) on CPUs: fused norms, SiLU-and-mul, rotary and decode
-        # attention, the tiled W4A16 GEMM for many rows
+        # liteturbo's C++ kernels (backends/cpu_ext.py) on CPUs: fused norms, SiLU-and-mul, rotary (+ KV write),
+        # paged attention, the tiled W4A16 GEMM for many rows
         self.ext = None
         if cpu_kernels and self.device.type == "cpu":
             from . import cpu_ext

@@ -8,7 +8,8 @@ backend in use on Llama-3-8B shapes (microseconds per call, achieved GB/s).
 1. W4A16 linear: ``aten._weight_int4pack_mm_for_cpu`` vs dequantize + bf16 GEMM vs liteturbo's C++ tiled W4A16
    GEMM (when the extension builds with AVX-512 BF16), by rows (where ``TorchBackend.tiles_min_rows`` and
    ``dequant_min_rows`` should sit).
-2. int8 ``lm_head`` (49152 x 576): ``aten._weight_int8pack_mm`` vs the tiled dequantize + GEMM, by rows.
+2. int8 ``lm_head`` (49152 x 576): ``aten._weight_int8pack_mm`` vs the tiled dequantize + GEMM vs the dense bf16
+   table (what a head tied to the embeddings uses from ``TorchBackend.dense_lm_head_min_rows``), by rows.
 3. Decode attention (one query per sequence, SmolLM2 heads, bf16): CPU ``scaled_dot_product_attention`` (with a
    padding mask for several rows) vs the backend's two batched matmuls, by batch size and context.
 
@@ -171,11 +172,13 @@ def choices_suite(threads: int) -> dict:
     n_vocab, k = 49152, 576
     q = torch.randint(-127, 128, (n_vocab, k), dtype=torch.int8, generator=gen)
     s = (torch.rand(n_vocab, generator=gen) * 0.01).bfloat16()
-    for rows in (1, 8, 12, 32, 48):
+    dense = (q.float() * s.float().unsqueeze(1)).bfloat16()
+    for rows in (1, 8, 12, 16, 32, 48):
         x = torch.randn(rows, k, generator=gen).bfloat16()
         a = timed(lambda: torch.ops.aten._weight_int8pack_mm(x, q, s), 5)
         b = timed(lambda: _int8_tiled_mm(x, q, s), 5)
-        res["int8_lm_head"].append({"rows": rows, "int8pack_us": a, "tiled_dequant_gemm_us": b})
+        c = timed(lambda: F.linear(x, dense), 5)
+        res["int8_lm_head"].append({"rows": rows, "int8pack_us": a, "tiled_dequant_gemm_us": b, "dense_bf16_us": c})
 
     kvh, grp, d = 3, 3, 64
     for batch, length in ((1, 64), (1, 192), (8, 192), (32, 192)):
@@ -209,9 +212,10 @@ def print_choices(res: dict) -> None:
     for r in res["w4a16"]:
         print(f"{r['out']:>9} x {r['in']:<4} {r['rows']:>5} {r['int4pack_us']:>10.0f} {r['dequant_gemm_us']:>13.0f} "
               f"{r['tiles_us']:>10.0f}")
-    print(f"{'int8 lm_head rows':>22} {'int8pack':>10} {'tiled':>10}")
+    print(f"{'int8 lm_head rows':>22} {'int8pack':>10} {'tiled':>10} {'dense bf16':>11}")
     for r in res["int8_lm_head"]:
-        print(f"{r['rows']:>22} {r['int8pack_us']:>10.0f} {r['tiled_dequant_gemm_us']:>10.0f}")
+        print(f"{r['rows']:>22} {r['int8pack_us']:>10.0f} {r['tiled_dequant_gemm_us']:>10.0f} "
+              f"{r['dense_bf16_us']:>11.0f}")
     print(f"{'decode attention batch':>22} {'context':>8} {'SDPA':>10} {'matmuls':>10}")
     for r in res["decode_attention"]:
         print(f"{r['batch']:>22} {r['context']:>8} {r['sdpa_us']:>10.0f} {r['matmuls_us']:>10.0f}")

@@ -32,6 +32,11 @@
 
 namespace {
 
+// The cache slot of token t of a sequence whose block table is `table` (blocks of bs tokens).
+inline int64_t slot_of(const int32_t* table, int64_t t, int64_t bs) {
+  return static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+}
+
 constexpr int64_t kBlockRows = 16;    // prefill rows that share each transposed key tile
 constexpr int64_t kMinTiledRows = 4;  // fewer rows: one dot product per token and head
 
@@ -50,7 +55,7 @@ void qk_row(const T* q, const T* kp, const int32_t* table, int64_t bs, int64_t n
   for (int64_t gi = 0; gi < g; ++gi)
     for (int64_t c = 0; c < chunks; ++c) qv[gi][c] = _mm512_mul_ps(load16(q + gi * d + 16 * c), _mm512_set1_ps(scale));
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+    const int64_t slot = slot_of(table, t, bs);
     const T* kr = kp + (hk * s_all + slot) * d;
     __m512 kv[kMaxChunks];
     for (int64_t c = 0; c < chunks; ++c) kv[c] = load16(kr + 16 * c);
@@ -110,7 +115,7 @@ void qk_block(const T* q, int64_t qstride, int64_t nb, int64_t n_max, const T* k
     const int64_t tt = std::min<int64_t>(16, n_max - t0);
     for (int64_t j = 0; j < 16; ++j) {
       if (j < tt) {
-        const int64_t t = t0 + j, slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+        const int64_t slot = slot_of(table, t0 + j, bs);
         const T* kr = kp + (hk * s_all + slot) * d;
         for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(tmp + j * d + 16 * c, load16(kr + 16 * c));
       } else {
@@ -122,8 +127,8 @@ void qk_block(const T* q, int64_t qstride, int64_t nb, int64_t n_max, const T* k
   }
 }
 
-// Softmax of one row-head's n scores in place, normalized (probabilities), zero from n up to width.
-inline void softmax_probs(float* s, int64_t n, int64_t width) {
+// exp(s - max) of one row-head's n scores in place, zero from n up to the next multiple of 16; returns 1 / sum.
+inline float softmax_exp(float* s, int64_t n) {
   const int64_t w16 = ((n + 15) / 16) * 16;
   for (int64_t t = n; t < w16; ++t) s[t] = -std::numeric_limits<float>::infinity();
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -136,7 +141,13 @@ inline void softmax_probs(float* s, int64_t n, int64_t width) {
     _mm512_storeu_ps(s + t, em);
     sum = _mm512_add_ps(sum, em);
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+// Softmax of one row-head's n scores in place, normalized (probabilities), zero from n up to width.
+inline void softmax_probs(float* s, int64_t n, int64_t width) {
+  const int64_t w16 = ((n + 15) / 16) * 16;
+  const __m512 inv = _mm512_set1_ps(softmax_exp(s, n));
   for (int64_t t = 0; t < w16; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
   for (int64_t t = w16; t < width; ++t) s[t] = 0.f;
 }
@@ -173,7 +184,7 @@ bool softmax_pv_block(const T* vp, const int32_t* table, int64_t bs, const int32
     for (int64_t gi = 0; gi < g; ++gi) softmax_probs(sc + (i * g + gi) * lda, lens[i], lda);
   vf.resize(static_cast<size_t>(n_max * d));
   for (int64_t t = 0; t < n_max; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+    const int64_t slot = slot_of(table, t, bs);
     const T* vr = vp + (hk * s_all + slot) * d;
     for (int64_t c = 0; c < d / 16; ++c) _mm512_storeu_ps(vf.data() + t * d + 16 * c, load16(vr + 16 * c));
   }
@@ -213,29 +224,13 @@ template <typename T>
 void softmax_pv(const T* vp, const int32_t* table, int64_t bs, int64_t n, int64_t g, int64_t d, int64_t s_all,
                 int64_t hk, float* sc, int64_t lda, T* out) {
   const int64_t chunks = d / 16;
-  const int64_t width = ((n + 15) / 16) * 16;
   float inv[kMaxGroup];
-  for (int64_t gi = 0; gi < g; ++gi) {
-    float* s = sc + gi * lda;
-    for (int64_t t = n; t < width; ++t) s[t] = -std::numeric_limits<float>::infinity();
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < width; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < width; t += 16) {
-      const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-      const __mmask16 valid = t + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - t)) - 1u);
-      const __m512 em = _mm512_maskz_mov_ps(valid, e);
-      _mm512_storeu_ps(s + t, em);
-      sum = _mm512_add_ps(sum, em);
-    }
-    inv[gi] = 1.f / _mm512_reduce_add_ps(sum);
-  }
+  for (int64_t gi = 0; gi < g; ++gi) inv[gi] = softmax_exp(sc + gi * lda, n);
   __m512 acc[kMaxGroup][kMaxChunks];
   for (int64_t gi = 0; gi < g; ++gi)
     for (int64_t c = 0; c < chunks; ++c) acc[gi][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+    const int64_t slot = slot_of(table, t, bs);
     const T* vr = vp + (hk * s_all + slot) * d;
     __m512 vv[kMaxChunks];
     for (int64_t c = 0; c < chunks; ++c) vv[c] = load16(vr + 16 * c);
@@ -257,7 +252,7 @@ void attend_portable(const T* q, const T* kp, const T* vp, const int32_t* table,
   std::vector<float> qf(static_cast<size_t>(g * d)), acc(static_cast<size_t>(g * d), 0.f);
   for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(q[i]) * scale;
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+    const int64_t slot = slot_of(table, t, bs);
     const T* kr = kp + (hk * s_all + slot) * d;
     for (int64_t gi = 0; gi < g; ++gi) {
       float a = 0.f;
@@ -272,7 +267,7 @@ void attend_portable(const T* q, const T* kp, const T* vp, const int32_t* table,
     for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx));
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < n; ++t) {
-      const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
+      const int64_t slot = slot_of(table, t, bs);
       const T* vr = vp + (hk * s_all + slot) * d;
       for (int64_t c = 0; c < d; ++c) acc[gi * d + c] += s[t] * static_cast<float>(vr[c]);
     }
