@@ -46,6 +46,19 @@ def load_rows(name: str, split: str | None = None) -> list[str]:
         return [json.loads(line)["text"] for line in f if line.strip()]
 
 
+# evaluation texts of ``liteturbo lite eval-ppl --dataset``: (dataset, split); rows joined with "\n\n"
+EVAL_SETS = {"wikitext2": ("wikitext2", "test"), "wikitext2-valid": ("wikitext2", "valid"), "zh": ("zh", "dev")}
+
+
+def eval_text(name: str) -> str:
+    """The perplexity text called ``name`` (:data:`EVAL_SETS`): its rows joined with ``"\n\n"``. ``wikitext2`` is
+    the standard WikiText-2 test text; ``wikitext2-valid`` and ``zh`` are second evaluation sets for runs that did not
+    calibrate on them. Raises ``ValueError`` naming the known sets."""
+    if name not in EVAL_SETS:
+        raise ValueError(f"unknown evaluation set {name!r}; known: {', '.join(EVAL_SETS)}")
+    return "\n\n".join(load_rows(*EVAL_SETS[name]))
+
+
 def wikitext2_test_text() -> str:
     """The standard WikiText-2 perplexity text: test rows joined with ``"\\n\\n"`` (GPTQ/AWQ protocol)."""
     return "\n\n".join(load_rows("wikitext2", "test"))

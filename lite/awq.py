@@ -78,34 +78,40 @@ def search_scales(weights: list[torch.Tensor], x_mean: torch.Tensor, w_mean: tor
 
 
 def search_clip(weight: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, sym: bool,
-                n_grid: int = 20, max_shrink: float = 0.5, n_tokens: int = 512, batch: int = 64) -> torch.Tensor:
+                n_grid: int = 20, max_shrink: float = 0.5, n_tokens: int = 512,
+                batch: int | None = None) -> torch.Tensor:
     """Per-group clipping threshold ``[out, n_groups]`` minimising the group-wise output error (AWQ clip).
 
-    ``x [n, in]`` are the linear's (scaled) inputs; ``n_tokens`` of them, evenly spaced, are used. Output
-    rows are processed in batches of ``batch`` (any ``out``, no divisibility needed).
+    ``x [n, in]`` are the linear's (scaled) inputs; ``n_tokens`` of them, evenly spaced, are used, in ``x``'s
+    dtype for the products (bfloat16 inputs multiply natively; errors are summed in float32). Output rows are
+    processed in batches of ``batch`` rows (default: about 4M products per batch; any ``out``, no
+    divisibility needed).
     """
     w = weight.float()
     out_f, in_f = w.shape
     gs = in_f if group_size == -1 else group_size
     ng = in_f // gs
-    x = x.reshape(-1, in_f).float()
+    x = x.reshape(-1, in_f)
     x = x[torch.isfinite(x).all(-1)]
     if x.shape[0] == 0:
         return w.abs().view(out_f, ng, gs).amax(-1)
     step = max(1, x.shape[0] // n_tokens)
-    xs = x[::step][:n_tokens].view(-1, ng, gs)  # [t, ng, gs]
+    xs = x[::step][:n_tokens].reshape(-1, ng, gs).transpose(0, 1)  # [ng, t, gs]
+    dt = xs.dtype
+    batch = batch or max(1, min(out_f, (1 << 22) // (xs.shape[1] * ng)))
     best_all = []
     for o in range(0, out_f, batch):
         wb = w[o:o + batch].view(-1, ng, gs)  # [b, ng, gs]
         org_max = wb.abs().amax(-1, keepdim=True)  # [b, ng, 1]
-        ref = torch.einsum("tgk,bgk->btg", xs, wb)
+        ref = torch.bmm(xs, wb.permute(1, 2, 0).to(dt)).float()  # [ng, t, b]
         best_max = org_max.clone()
-        best_err = torch.full(org_max.shape, float("inf"))
+        best_err = torch.full(org_max.shape, float("inf"), device=w.device)
         for i in range(int(max_shrink * n_grid)):
             mx = org_max * (1 - i / n_grid)
             cw = torch.clamp(wb, -mx, mx)
             qw = fake_quantize(cw.view(-1, in_f), bits, group_size, sym).view_as(cw)
-            err = (torch.einsum("tgk,bgk->btg", xs, qw) - ref).pow(2).mean(1).unsqueeze(-1)  # [b, ng, 1]
+            out = torch.bmm(xs, qw.permute(1, 2, 0).to(dt)).float()
+            err = (out - ref).pow(2).mean(1).t().unsqueeze(-1)  # [b, ng, 1]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better, mx, best_max)
@@ -120,3 +126,22 @@ def apply_clip(weight: torch.Tensor, max_val: torch.Tensor, group_size: int) -> 
     w = weight.float().view(out_f, in_f // gs, gs)
     m = max_val.unsqueeze(-1)
     return torch.clamp(w, -m, m).view(out_f, in_f).to(weight.dtype)
+
+
+def activation_scale_limit(prev_weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """AWQ scales raised where folding ``1/s`` into the previous op would not fit ``dtype``; ``None`` if all fit.
+
+    ``prev_weight``: the previous op's weight (``[C]`` norm or ``[C, in]`` linear rows); the folded weight is
+    ``prev_weight / s`` per channel ``C``. A channel whose largest folded value would exceed half of ``dtype``'s
+    largest finite value (float16: 65504; headroom for the activations it multiplies at inference) gets the smallest
+    scale that keeps it there, and a channel already beyond that is not allowed to grow (``s >= 1``), so the
+    checkpoint never holds inf (the linears are scaled with the same ``s``: the float model is unchanged).
+    """
+    if not dtype.is_floating_point or dtype == torch.float32 or dtype == torch.float64:
+        return None
+    limit = torch.finfo(dtype).max / 2
+    peak = prev_weight.float().abs().reshape(prev_weight.shape[0], -1).amax(1)
+    need = peak / torch.maximum(peak, torch.full_like(peak, limit))
+    if not bool((scales < need).any()):
+        return None
+    return torch.maximum(scales, need)

@@ -18,6 +18,8 @@ import torch
 
 from backends.types import QuantizedWeight
 
+from .rtn import group_params
+
 
 class HessianAccumulator:
     """Running ``H = 2/n · Σ x xᵀ`` over calibration rows ``x [*, in]`` (float32)."""
@@ -42,33 +44,23 @@ class HessianAccumulator:
         self.H.addmm_(x.t(), x)
 
 
-def _group_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0):
-    """Scale/zero for a group of columns ``w [out, g]`` (range includes 0). Returns float32 ``[out]`` each."""
-    qmax = (1 << bits) - 1
-    if sym:
-        amax = w.abs().amax(1).clamp(min=1e-8)
-        half = 1 << (bits - 1)
-        scale = (amax / (half - 1)).to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
-        zero = torch.full_like(scale, half)
-    else:
-        wmin, wmax = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
-        scale = ((wmax - wmin).clamp(min=1e-8) / qmax).to(torch.float16).float()
-        scale = scale.clamp(min=torch.finfo(torch.float16).tiny)
-        zero = torch.clamp(torch.round(-wmin / scale), min_zero, qmax)
-    return scale, zero
-
-
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = False,
                   act_order: bool = False, static_groups: bool = False, block_size: int = 128,
-                  damp_percent: float = 0.01, min_zero: int = 0, bias: torch.Tensor | None = None) -> QuantizedWeight:
+                  damp_percent: float = 0.01, min_zero: int = 0, bias: torch.Tensor | None = None,
+                  mse: bool = False, info: dict | None = None) -> QuantizedWeight:
     """Quantize ``weight [out, in]`` given Hessian ``H [in, in]``; returns a :class:`QuantizedWeight`.
 
     Dampening: ``damp_percent`` of the mean Hessian diagonal is added; if the Cholesky factorization still
     fails it is raised tenfold (up to 5 times). Dead input channels (zero Hessian diagonal) get weight 0 in
     the error propagation (their codes quantize the original weight). ``min_zero=1`` keeps asymmetric zero
     points representable in the GPTQ v1 format (which stores ``zero - 1``). ``g_idx`` is set when
-    ``act_order`` (and always describes the true grouping). Raises ``ValueError`` for a bad group size.
+    ``act_order`` without ``static_groups`` (static groups keep the contiguous grouping, storable in any format). Group scales and zero points come from
+    :func:`lite.rtn.group_params` on the not-yet-quantized (updated) columns; ``mse`` searches shrunk ranges.
+    ``info`` (optional dict) receives ``damp_percent`` (the dampening used, as a fraction of the mean diagonal)
+    and ``fallback`` (a reason, when the solver gave up and rounded to nearest). Raises ``ValueError`` for a bad
+    group size.
     """
+    info = {} if info is None else info
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     W = weight.detach().float().clone()
@@ -79,7 +71,8 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_si
     H = H.detach().float().clone()
     if not torch.isfinite(H).all():
         warnings.warn("GPTQ: non-finite Hessian; falling back to round-to-nearest for this layer")
-        H = torch.eye(in_f)
+        info["fallback"] = "non-finite Hessian"
+        H = torch.eye(in_f, device=H.device)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     n_groups = in_f // gs
@@ -87,7 +80,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_si
     # static groups: parameters from the original (unpermuted) weight before any update
     static = None
     if static_groups:
-        static = [_group_params(W[:, g * gs:(g + 1) * gs], bits, sym, min_zero) for g in range(n_groups)]
+        static = [group_params(W[:, g * gs:(g + 1) * gs], bits, sym, min_zero, mse) for g in range(n_groups)]
 
     perm = None
     if act_order:
@@ -99,7 +92,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_si
     damp = damp_percent * diag_mean
     for attempt in range(6):
         try:
-            Hd = H + damp * torch.eye(in_f)
+            Hd = H + damp * torch.eye(in_f, device=H.device)
             L = torch.linalg.cholesky(Hd)
             Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
             if not torch.isfinite(Hinv).all():
@@ -108,9 +101,11 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_si
         except torch.linalg.LinAlgError:
             if attempt == 5:
                 warnings.warn("GPTQ: Hessian not positive definite even with heavy dampening; using RTN")
-                Hinv = torch.eye(in_f)
+                info["fallback"] = "Hessian not positive definite even with heavy dampening"
+                Hinv = torch.eye(in_f, device=H.device)
                 break
             damp = damp * 10 if damp > 0 else 1e-6 * max(float(diag_mean), 1.0)
+    info["damp_percent"] = float(damp / diag_mean) if float(diag_mean) > 0 else damp_percent
 
     Q = torch.zeros_like(W)
     scales = torch.zeros(n_groups, out_f)
@@ -131,7 +126,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_si
             elif col % gs == 0:
                 # parameters from the *updated* weights of the next group, in quantization order
                 block = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :gs]
-                cur_scale, cur_zero = _group_params(block, bits, sym, min_zero)
+                cur_scale, cur_zero = group_params(block, bits, sym, min_zero, mse)
                 g = col // gs
                 scales[g], zeros[g] = cur_scale, cur_zero
             w = W1[:, i]
@@ -148,11 +143,9 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_si
             scales[g], zeros[g] = s, z
     if invperm is not None:
         Q = Q[:, invperm]
-    cols = torch.arange(in_f)
-    if act_order and not static_groups:
-        g_idx = (invperm // gs).to(torch.int32)  # column c was quantized at position invperm[c]
-    else:
-        g_idx = (cols // gs).to(torch.int32)
-    return QuantizedWeight(bits=bits, group_size=group_size, sym=sym, qweight=Q.to(torch.uint8),
-                           qzeros=zeros.to(torch.uint8), scales=scales.to(torch.float16),
-                           g_idx=g_idx if act_order else None, bias=bias)
+    g_idx = None
+    if act_order and not static_groups:  # column c was quantized at position invperm[c]
+        g_idx = (invperm // gs).to(torch.int32).cpu()
+    return QuantizedWeight(bits=bits, group_size=group_size, sym=sym, qweight=Q.to(torch.uint8).cpu(),
+                           qzeros=zeros.to(torch.uint8).cpu(), scales=scales.to(torch.float16).cpu(), g_idx=g_idx,
+                           bias=bias)

@@ -1,21 +1,23 @@
 """Peak memory of a ``lite`` quantization run, estimated from ``config.json`` before anything is loaded.
 
-The pipeline (:mod:`lite.pipeline`) works one decoder layer at a time in float32 on its device, so its peak is set
-by the largest layer and the calibration activations, whatever the model size. Phases and what they hold
-(N calibration windows of L tokens, hidden size H, intermediate size I, all float32 = 4 bytes):
+The pipeline (:mod:`lite.pipeline`) works one decoder layer at a time, so its peak is set by the largest layer and
+the calibration activations, whatever the model size. Statistics are streamed (:mod:`lite.methods`): nothing grows
+with the calibration set except the layer's inputs and outputs. Phases and what they hold (N calibration windows of
+L tokens, hidden size H, intermediate size I, layer weights in float32, activations in the compute dtype of ``c``
+bytes: 2 for bfloat16, 4 for float32):
 
-* capture: the embedding table ``[V, H]`` and the inputs of layer 0 ``N x L x H``.
-* per layer: the layer's weights, the layer inputs, and while running the layer forward its outputs (a second
-  ``N x L x H``); then by method:
+* capture: the embedding table ``[V, H]`` (float32) and the inputs of layer 0, ``N x L x H`` in float32 and again
+  in the compute dtype.
+* per layer: the layer's weights, its inputs and, while it runs, its outputs (``2 x N x L x H x c``); then by method:
 
   - ``rtn``: a float32 copy of the largest linear while it is quantized (no calibration data).
-  - ``awq``: the inputs of every linear for all samples (q/k/v and gate/up first share one tensor, then each gets
-    its own scaled copy: ``N x L x (5H + heads x head_dim + I)`` at most), the loss search on ``loss_tokens``
-    tokens (inputs, reference and candidate outputs), the concatenated inputs of the linear being clipped, and
-    the search's weight copies (original, scaled, fake-quantized, 3 x the largest scaling group).
-  - ``gptq``: the inputs of the current group's linears for all samples, its Hessian ``in x in`` and GPTQ's
-    working copies (Hessian copy and inverse: 2 more ``in x in``; the weight and its quantized copy
-    ``2 x out x in``), for the group with the largest input (the MLP's down projection).
+  - ``awq``: the first ``loss_tokens`` tokens of each linear input (q/k/v and gate/up share theirs: ``T x (2H +
+    heads x head_dim + I) x c``), the loss search's outputs in float32 (reference, candidate, difference: ``3 x T x
+    H``) and the MLP's intermediates while it runs (``3 x T x I x c``), the clipping inputs and the search's weight copies (3 x the largest scaling group); with ``gptq`` rounding the four
+    input Hessians (``2H² + q² + I²`` floats).
+  - ``gptq``: the Hessian of the current input (``in x in``) and GPTQ's working copies (Hessian copy and inverse:
+    2 more ``in x in``; the weight and its quantized copy ``2 x out x in``), for the largest input (the MLP's down
+    projection).
 
 Measured against ``lite`` runs in ``tests/test_planner.py`` (the peak resident memory a run adds on CPU).
 """
@@ -37,10 +39,11 @@ class QuantizeMemory:
 
 
 def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, calib_seqlen: int = 512,
-                  loss_tokens: int = 8192, awq_rounding: str = "rtn") -> QuantizeMemory:
+                  loss_tokens: int = 8192, awq_rounding: str = "rtn", compute_bytes: int = 2) -> QuantizeMemory:
     """Estimate the peak memory of ``liteturbo lite <method>`` for a model's ``config`` (its config.json as a dict).
-    ``method``: ``rtn``, ``awq`` or ``gptq``; the other arguments as :class:`lite.pipeline.PipelineConfig`.
-    Raises ``ValueError`` for an unknown method or a config without the needed fields."""
+    ``method``: ``rtn``, ``awq`` or ``gptq``; ``compute_bytes``: 2 (bfloat16 forwards, the default where native) or
+    4 (float32); the other arguments as :class:`lite.pipeline.PipelineConfig`. Raises ``ValueError`` for an unknown
+    method or a config without the needed fields."""
     if method not in ("rtn", "awq", "gptq"):
         raise ValueError(f"unknown method {method!r} (rtn, awq, gptq)")
     try:
@@ -53,6 +56,7 @@ def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, c
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"config.json lacks or mangles a field the estimate needs: {e}") from None
     q, kvw = heads * hd, kv * hd
+    c = compute_bytes
     linears = {"qkv": (q + 2 * kvw, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
     layer_params = sum(o * i for o, i in linears.values()) + 2 * h
     if config.get("attention_bias") or config.get("model_type") == "qwen2":
@@ -63,25 +67,25 @@ def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, c
         parts = {"layer weights": weights, "quantization copies": 2 * largest}
         return QuantizeMemory(sum(parts.values()), "layer", parts)
     tokens = calib_samples * calib_seqlen
-    acts = tokens * h * F32
-    capture = {"embeddings": vocab * h * F32, "layer inputs": acts}
-    forward = {"layer weights": weights, "layer inputs": acts, "layer outputs": acts}
+    capture = {"embeddings": vocab * h * F32, "layer inputs": tokens * h * (F32 + c)}
+    forward = {"layer weights": weights, "layer inputs": tokens * h * c, "layer outputs": tokens * h * c}
     if method == "awq":
         per_sample = -(-loss_tokens // calib_seqlen)
         lt = min(calib_samples, max(per_sample, 1)) * calib_seqlen
-        feats = tokens * (5 * h + q + inter) * F32
-        search = lt * (h + 2 * max(h, q + 2 * kvw, 2 * inter)) * F32 + 3 * max(linears["gate_up"][0] * h,
-                                                                               linears["qkv"][0] * h) * F32
-        clip = tokens * max(h, q, inter) * F32
-        method_parts = {"linear inputs": feats, "scale search": search, "clip inputs": clip}
+        # outputs of the inspected module (H wide) in float32: reference, candidate, difference; the MLP's
+        # intermediates while it runs; the weight copies of the largest group
+        method_parts = {"kept linear inputs": lt * (2 * h + q + inter) * c,
+                        "scale search": lt * (3 * h * F32 + 3 * inter * c) + 3 * max(linears["gate_up"][0] * h,
+                                                                                   linears["qkv"][0] * h) * F32,
+                        "clip inputs": 2 * lt * max(h, q, inter) * c}
         if awq_rounding == "gptq":
             method_parts["hessians"] = (2 * h * h + q * q + inter * inter) * F32
     else:
         gptq_in = max(h, q, inter)
         out_for = {h: 2 * inter, q: h, inter: h}
-        method_parts = {"linear inputs": tokens * gptq_in * F32, "hessian and inverse": 3 * gptq_in * gptq_in * F32,
+        method_parts = {"hessian and inverse": 3 * gptq_in * gptq_in * F32,
                         "gptq weight copies": 2 * out_for.get(gptq_in, h) * gptq_in * F32}
-    layer = {"layer weights": weights, "layer inputs": acts, **method_parts}
+    layer = {"layer weights": weights, "layer inputs": tokens * h * c, **method_parts}
     phases = [("capture", capture), ("layer forward", forward), ("layer search", layer)]
     phase, parts = max(phases, key=lambda p: sum(p[1].values()))
     return QuantizeMemory(sum(parts.values()), phase, parts)

@@ -30,33 +30,33 @@ from tqdm import tqdm
 from backends.types import QuantizedWeight
 
 from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_dir, check_output_dir,
-                      copy_tokenizer_files,
-                      load_config, resolve_model, write_json)
-from .formats.arch import NO_CLIP, SCALING_GROUPS, SEQUENTIAL_ORDER
-from .formats.awq import awq_quantization_config, pack_awq, unpack_awq
-from .formats.checkpoint import weight_files
-from .formats.compressed_tensors import compressed_quantization_config, pack_compressed, unpack_compressed
-from .formats.gptq import gptq_quantization_config, pack_gptq, unpack_gptq
+                      copy_tokenizer_files, load_config, resolve_model, write_json)
+from .formats.checkpoint import config_mismatch, weight_files
+from .formats.registry import WEIGHT_FORMATS, FormatOptions, weight_format
+from .methods import METHODS, LayerBatch, compute_dtype
 
-FORMATS = ("awq", "gptq", "compressed-tensors")
+FORMATS = tuple(WEIGHT_FORMATS)
 
 
 @dataclass
 class PipelineConfig:
     """Everything a quantization run depends on (validated on construction; hashed for ``--resume``).
 
-    method: rtn | awq | gptq. w_bits/w_group_size/w_sym: the weight format. out_format: awq | gptq |
-    compressed-tensors (``None`` = awq for rtn/awq, gptq for gptq). calib_*: calibration data (see
-    :mod:`lite.calibration`). act_order/static_groups/damp_percent/block_size/true_sequential: GPTQ.
-    n_grid/duo_scaling/clip/max_shrink/loss_tokens: AWQ; awq_rounding: ``rtn`` (the paper) or ``gptq``
-    (AWQ's scales and clipping, then GPTQ's error-compensating rounding on the scaled inputs).
-    device: cpu | cuda | auto.
+    method: rtn | awq | gptq (:data:`lite.methods.METHODS`). w_bits/w_group_size/w_sym: the weight format;
+    ``w_sym=None`` takes the output format's default (what its readers load: symmetric for GPTQ, a zero point for
+    AWQ and compressed-tensors). out_format: awq | gptq | compressed-tensors (``None`` = awq for rtn/awq, gptq for
+    gptq). calib_*: calibration data (see :mod:`lite.calibration`). act_order/static_groups/damp_percent/
+    block_size/true_sequential: GPTQ (also AWQ's ``gptq`` rounding). n_grid/duo_scaling/clip/max_shrink/
+    loss_tokens: AWQ; awq_rounding: ``rtn`` (the paper) or ``gptq`` (AWQ's scales and clipping, then GPTQ's
+    error-compensating rounding on the scaled inputs). mse_scales: group scales/zero points by the smallest
+    rounding error over shrunk ranges (RTN and GPTQ rounding). device: cpu | cuda | auto. compute_dtype: auto |
+    bfloat16 | float32 (the calibration forwards; solvers always run in float32).
     """
 
     method: str = "awq"
     w_bits: int = 4
     w_group_size: int = 128
-    w_sym: bool = False
+    w_sym: bool | None = None
     out_format: str | None = None
     calib_dataset: str = "c4"
     calib_samples: int = 128
@@ -73,22 +73,29 @@ class PipelineConfig:
     clip: bool = True
     max_shrink: float = 0.5
     loss_tokens: int = 8192
+    mse_scales: bool = False
     device: str = "auto"
+    compute_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.method not in ("rtn", "awq", "gptq"):
-            raise LiteturboError(f"unknown method {self.method!r} (rtn, awq, gptq)")
+        if self.method not in METHODS:
+            raise LiteturboError(f"unknown method {self.method!r} ({', '.join(METHODS)})")
         if self.w_bits != 4:
             raise LiteturboError(f"--w-bits {self.w_bits} is not supported: the W4A16 formats store 4-bit weights")
         if self.w_group_size != -1 and (self.w_group_size < 8 or self.w_group_size % 8):
             raise LiteturboError(f"--w-group-size must be -1 or a positive multiple of 8, got {self.w_group_size}")
         if self.out_format is None:
             self.out_format = "gptq" if self.method == "gptq" else "awq"
-        if self.out_format not in FORMATS:
-            raise LiteturboError(f"--format must be one of {', '.join(FORMATS)}, got {self.out_format!r}")
-        if self.act_order and self.out_format == "awq":
-            raise LiteturboError("--act-order needs a g_idx, which the AWQ format cannot store; use --format gptq "
-                                 "or compressed-tensors")
+        fmt = weight_format(self.out_format)
+        if self.w_sym is None:
+            self.w_sym = fmt.default_sym
+        uses_gptq = self.method == "gptq" or (self.method == "awq" and self.awq_rounding == "gptq")
+        if (self.act_order or self.static_groups) and not uses_gptq:
+            raise LiteturboError("--act-order and --static-groups order GPTQ's rounding; use them with `lite gptq` or "
+                                 "`lite auto-awq --rounding gptq`")
+        if self.static_groups and not self.act_order:
+            raise LiteturboError("--static-groups only matters with --act-order")
+        fmt.check(self.format_options())
         if not 0 < self.damp_percent < 1:
             raise LiteturboError(f"--damp-percent must be in (0, 1), got {self.damp_percent}")
         if self.awq_rounding not in ("rtn", "gptq"):
@@ -101,6 +108,13 @@ class PipelineConfig:
             raise LiteturboError("--calib-samples and --calib-seqlen must be positive")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise LiteturboError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+        if self.compute_dtype not in ("auto", "bfloat16", "float32"):
+            raise LiteturboError(f"--compute-dtype must be auto, bfloat16 or float32, got {self.compute_dtype!r}")
+
+    def format_options(self) -> FormatOptions:
+        """What the output format records about this run."""
+        return FormatOptions(self.w_bits, self.w_group_size, bool(self.w_sym), self.act_order, self.static_groups,
+                             self.damp_percent, self.true_sequential)
 
     def torch_device(self) -> torch.device:
         """The compute device (``auto`` = cuda when available)."""
@@ -196,6 +210,25 @@ class LazyCheckpoint:
             raise LiteturboError(f"checkpoint {self.path} lacks tensor {name!r}")
         return self.files[self.where[name]].get_tensor(name)
 
+    def check_shapes(self) -> None:
+        """Raise ``LiteturboError`` (the message ``turbo`` gives) when the weights do not match config.json: a
+        tensor of another shape, a missing tensor, or decoder layers beyond ``num_hidden_layers``."""
+        n_layers = len(self.layers)
+        extra = sorted({k.split(".")[2] for k in self.where if k.startswith("model.layers.")}
+                       - {str(i) for i in range(n_layers)}, key=lambda s: (len(s), s))
+        if extra:
+            raise LiteturboError(f"the weights hold decoder layers beyond num_hidden_layers={n_layers} in config.json "
+                                 f"(e.g. layer {extra[0]}); config.json does not belong to these weights")
+        for name, p in self.model.named_parameters():
+            if name not in self.where:
+                if name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False):
+                    continue
+                raise LiteturboError(f"checkpoint {self.path} lacks tensor {name!r} (an incomplete copy or download, "
+                                     f"or a config.json that does not belong to these weights)")
+            shape = tuple(self.files[self.where[name]].get_slice(name).get_shape())
+            if shape != tuple(p.shape):
+                raise config_mismatch(name, shape, tuple(p.shape))
+
     def materialize(self, module: torch.nn.Module, prefix: str) -> None:
         """Load ``module``'s parameters (``prefix.name``) onto the device in float32 (quantized linears of a
         W4A16 source dequantized)."""
@@ -251,208 +284,37 @@ class LazyCheckpoint:
 
 
 def _run_layer(layer, inps, kws) -> list[torch.Tensor]:
-    outs = []
-    with torch.no_grad():
-        for h, kw in zip(inps, kws):
-            o = layer(h, **kw)
-            outs.append(o[0] if isinstance(o, tuple) else o)
-    return outs
+    """The layer's float32 outputs for every sample (``calibrate-kv`` propagates in float32)."""
+    return LayerBatch(inps, kws, torch.float32).run(layer)
 
 
-def _capture(layer, names: list[str], inps, kws, stop_after: str | None = None) -> dict[str, list[torch.Tensor]]:
-    """Inputs of the named submodules for every sample (stops the forward after ``stop_after``)."""
-    got = {n: [] for n in names}
-    handles = []
-    for n in names:
-        mod = layer.get_submodule(n)
-
-        def hook(_m, args, _out, n=n):
-            got[n].append(args[0].detach().reshape(-1, args[0].shape[-1]))
-            if n == stop_after:
-                raise _Stop
-        handles.append(mod.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            for h, kw in zip(inps, kws):
-                try:
-                    layer(h, **kw)
-                except _Stop:
-                    pass
-    finally:
-        for hd in handles:
-            hd.remove()
-    return got
-
-
-# ----------------------------------------------------------------------------------------------------
-def _quantize_layer_gptq(layer, inps, kws, cfg: PipelineConfig, order) -> dict[str, QuantizedWeight]:
-    from .gptq import HessianAccumulator, gptq_quantize
-
-    result = {}
-    groups = order if cfg.true_sequential else (tuple(n for g in order for n in g),)
-    for group in groups:
-        firsts = list(dict.fromkeys(_shared_input_heads(group)))
-        feats = _capture(layer, firsts, inps, kws, stop_after=firsts[-1] if cfg.true_sequential else None)
-        hess = {}
-        for n in firsts:
-            acc = HessianAccumulator(layer.get_submodule(n).in_features, device=inps[0].device)
-            for x in feats[n]:
-                acc.add(x)
-            hess[n] = acc.H
-        del feats
-        for n in group:
-            lin = layer.get_submodule(n)
-            qw = gptq_quantize(lin.weight.data, hess[_SHARED_INPUT.get(n, n)],
-                               cfg.w_bits, cfg.w_group_size, cfg.w_sym, cfg.act_order, cfg.static_groups,
-                               cfg.block_size, cfg.damp_percent,
-                               min_zero=_min_zero(cfg))
-            lin.weight.data = qw.dequantize(torch.float32).to(lin.weight.device)
-            result[n] = qw
-    return result
-
-
-_SHARED_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj",
-                 "mlp.up_proj": "mlp.gate_proj"}
-
-
-def _shared_input_heads(group) -> list[str]:
-    return [_SHARED_INPUT.get(n, n) for n in group]
-
-
-def _quantize_layer_awq(layer, inps, kws, cfg: PipelineConfig, groups, no_clip) -> dict[str, QuantizedWeight]:
-    from .awq import activation_scale, apply_clip, search_clip, search_scales, weight_scale
-    from .rtn import quantize_rtn
-
-    linears = [n for n in DECODER_LINEARS]
-    feats = _capture(layer, linears, inps, kws)  # fp inputs of every linear, all samples
-    # loss on the first samples up to loss_tokens tokens
-    n_loss, tok = 0, 0
-    while n_loss < len(inps) and (tok < cfg.loss_tokens or n_loss == 0):
-        tok += inps[n_loss].shape[1]
-        n_loss += 1
-    attn_kw = [{k: kw[k] for k in ("position_embeddings", "attention_mask") if k in kw} for kw in kws[:n_loss]]
-    for g in groups:
-        prev = layer.get_submodule(g.prev)
-        lins = [layer.get_submodule(n) for n in g.linears]
-        if g.needs_same_width and prev.weight.shape[0] != lins[0].weight.shape[1]:
-            continue
-        xs = feats[g.linears[0]]
-        x_mean = activation_scale(xs)
-        w_mean = weight_scale([m.weight.data for m in lins], cfg.w_group_size)
-        originals = [m.weight.data.clone() for m in lins]
-        inspect = layer.get_submodule(g.inspect)
-        if g.inspect in g.linears:
-            loss_in = torch.cat(xs[:n_loss], 0)
-
-            def forward(ws, loss_in=loss_in):
-                return torch.nn.functional.linear(loss_in, ws[0])
-            reference = torch.nn.functional.linear(loss_in, originals[0])
-        else:
-            # module inputs = prev's output = the first linear's input, per sample
-            per_sample = [x.view(1, -1, x.shape[-1]) for x in xs[:n_loss]]
-            is_attn = g.inspect.endswith("attn")
-
-            def run_module(per_sample=per_sample, inspect=inspect, is_attn=is_attn):
-                outs = []
-                with torch.no_grad():
-                    for i, x in enumerate(per_sample):
-                        o = inspect(x, **attn_kw[i]) if is_attn else inspect(x)
-                        o = o[0] if isinstance(o, tuple) else o
-                        outs.append(o.reshape(-1, o.shape[-1]))
-                return torch.cat(outs, 0)
-
-            reference = run_module()
-
-            def forward(ws, lins=lins, run_module=run_module):
-                for m, w in zip(lins, ws):
-                    m.weight.data = w
-                return run_module()
-        scales, alpha, loss = search_scales(originals, x_mean, w_mean, forward, reference, cfg.w_bits,
-                                            cfg.w_group_size, cfg.w_sym, cfg.n_grid, cfg.duo_scaling)
-        for m, w in zip(lins, originals):
-            m.weight.data = w * scales.to(w.device)
-        # fold 1/s into the previous op: a norm's weight or a linear's output rows (and bias)
-        prev.weight.data = prev.weight.data / scales.view(-1, *([1] * (prev.weight.dim() - 1))).to(prev.weight.device)
-        if getattr(prev, "bias", None) is not None:
-            prev.bias.data = prev.bias.data / scales.to(prev.bias.device)
-        for n in g.linears:
-            feats[n] = [x / scales.to(x.device) for x in feats[n]]
-    result = {}
-    hessians: dict[str, torch.Tensor] = {}
-    for n in linears:
-        lin = layer.get_submodule(n)
-        w = lin.weight.data
-        if cfg.clip and n not in no_clip:
-            x = torch.cat(feats[n], 0)
-            max_val = search_clip(w, x, cfg.w_bits, cfg.w_group_size, cfg.w_sym, cfg.n_grid, cfg.max_shrink)
-            w = apply_clip(w, max_val, cfg.w_group_size)
-        if cfg.awq_rounding == "gptq":
-            from .gptq import HessianAccumulator, gptq_quantize
-
-            head = _SHARED_INPUT.get(n, n)
-            if head not in hessians:
-                acc = HessianAccumulator(w.shape[1], device=w.device)
-                for x in feats[head]:
-                    acc.add(x)
-                hessians[head] = acc.H
-            qw = gptq_quantize(w, hessians[head], cfg.w_bits, cfg.w_group_size, cfg.w_sym, block_size=cfg.block_size,
-                               damp_percent=cfg.damp_percent, min_zero=_min_zero(cfg))
-        else:
-            qw = quantize_rtn(w, cfg.w_bits, cfg.w_group_size, cfg.w_sym, min_zero=_min_zero(cfg))
-        result[n] = qw
-    return result
-
-
-def _min_zero(cfg: PipelineConfig) -> int:
-    """GPTQ v1 stores ``zero - 1``: asymmetric zero points must then be >= 1."""
-    return 1 if (cfg.out_format == "gptq" and not cfg.w_sym) else 0
-
-
-def _quantize_layer_rtn(layer, cfg: PipelineConfig) -> dict[str, QuantizedWeight]:
-    from .rtn import quantize_rtn
-
-    return {n: quantize_rtn(layer.get_submodule(n).weight.data, cfg.w_bits, cfg.w_group_size, cfg.w_sym,
-                            min_zero=_min_zero(cfg)) for n in DECODER_LINEARS}
-
-
-def _sanitize(layer, idx: int, qws: dict[str, QuantizedWeight], cfg: PipelineConfig) -> dict[str, QuantizedWeight]:
-    """Never write NaN/inf: a weight whose scales came out non-finite is re-quantized with RTN (warned)."""
+def _sanitize(layer, idx: int, qws: dict[str, QuantizedWeight], cfg: PipelineConfig,
+              dtypes: dict[str, torch.dtype]) -> dict[str, QuantizedWeight]:
+    """Never write NaN/inf: a weight whose scales came out non-finite is re-quantized with RTN, and a float
+    tensor that is not finite in its checkpoint dtype (``dtypes``, by full name) is clamped to it (both warned)."""
     import warnings
 
     from .rtn import quantize_rtn
 
+    min_zero = weight_format(cfg.out_format).min_zero(bool(cfg.w_sym))
     for n, qw in qws.items():
         if not torch.isfinite(qw.scales.float()).all():
             warnings.warn(f"layer {idx} {n}: non-finite scales from {cfg.method}; falling back to RTN for this linear")
             w = torch.nan_to_num(layer.get_submodule(n).weight.data.float(), nan=0.0, posinf=0.0, neginf=0.0)
-            qws[n] = quantize_rtn(w, cfg.w_bits, cfg.w_group_size, cfg.w_sym)
+            qws[n] = quantize_rtn(w, cfg.w_bits, cfg.w_group_size, bool(cfg.w_sym), min_zero=min_zero)
     for n, p in layer.named_parameters():
-        if not torch.isfinite(p.data).all():
-            warnings.warn(f"layer {idx} {n}: non-finite values replaced by 0")
-            p.data = torch.nan_to_num(p.data, nan=0.0, posinf=0.0, neginf=0.0)
+        if n.rsplit(".", 1)[0] in qws and n.endswith(".weight"):
+            continue
+        dtype = dtypes.get(f"model.layers.{idx}.{n}", torch.float16)
+        if not torch.isfinite(p.data.to(dtype)).all():
+            big = torch.finfo(dtype).max
+            warnings.warn(f"layer {idx} {n}: values that are NaN or beyond {str(dtype).replace('torch.', '')}'s range "
+                          f"({big:.4g}) clamped")
+            p.data = torch.nan_to_num(p.data.float(), nan=0.0, posinf=big, neginf=-big).clamp(-big, big)
     return qws
 
 
 # ----------------------------------------------------------------------------------------------------
-def _pack(qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]:
-    if fmt == "awq":
-        return pack_awq(qw)
-    if fmt == "gptq":
-        return pack_gptq(qw, "gptq")
-    return pack_compressed(qw)
-
-
-def _unpack(t: dict[str, torch.Tensor], prefix: str, cfg: PipelineConfig) -> QuantizedWeight:
-    bits, gs, sym = cfg.w_bits, cfg.w_group_size, cfg.w_sym
-    if cfg.out_format == "awq":
-        return unpack_awq(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"], bits, gs, not sym)
-    if cfg.out_format == "gptq":
-        return unpack_gptq(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"],
-                           t[f"{prefix}.g_idx"], bits, gs, sym, "gptq")
-    names = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
-    return unpack_compressed({n: t[f"{prefix}.{n}"] for n in names if f"{prefix}.{n}" in t}, bits, gs, sym)
-
-
 def _layer_tensors(layer, idx: int, qws: dict[str, QuantizedWeight], cfg: PipelineConfig,
                    dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
     """All tensors of layer ``idx`` as they go into the output checkpoint."""
@@ -463,8 +325,9 @@ def _layer_tensors(layer, idx: int, qws: dict[str, QuantizedWeight], cfg: Pipeli
         if mod in qws and n.endswith(".weight"):
             continue
         out[f"{p}.{n}"] = param.data.detach().to("cpu", dtypes.get(f"{p}.{n}", torch.float16)).contiguous()
+    fmt = weight_format(cfg.out_format)
     for n, qw in qws.items():
-        for k, v in _pack(qw, cfg.out_format).items():
+        for k, v in fmt.pack(qw).items():
             out[f"{p}.{n}.{k}"] = v.cpu()
     return out
 
@@ -479,19 +342,12 @@ def _load_layer_tensors(layer, idx: int, tensors: dict[str, torch.Tensor], cfg: 
         if key in tensors:
             param.data = tensors[key].to(dev, torch.float32)
         elif n.endswith(".weight") and mod in DECODER_LINEARS:
-            param.data = _unpack(tensors, f"{p}.{mod}", cfg).dequantize(torch.float32).to(dev)
+            fmt, pre = weight_format(cfg.out_format), f"{p}.{mod}."
+            parts = {k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)}
+            qw = fmt.unpack(parts, cfg.w_bits, cfg.w_group_size, bool(cfg.w_sym))
+            param.data = qw.dequantize(torch.float32).to(dev)
         else:
             raise LiteturboError(f"saved layer {idx} lacks {key}; delete the .partial folder and start again")
-
-
-def _quant_config_block(cfg: PipelineConfig) -> dict:
-    if cfg.out_format == "awq":
-        return awq_quantization_config(cfg.w_bits, cfg.w_group_size, not cfg.w_sym)
-    if cfg.out_format == "gptq":
-        return gptq_quantization_config(cfg.w_bits, cfg.w_group_size, cfg.w_sym, cfg.act_order, cfg.static_groups,
-                                        cfg.damp_percent, cfg.true_sequential, "gptq")
-    actorder = ("static" if cfg.static_groups else "group") if cfg.act_order else None
-    return compressed_quantization_config(cfg.w_bits, cfg.w_group_size, cfg.w_sym, actorder)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -524,6 +380,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     device = cfg.torch_device()
     torch.manual_seed(cfg.seed)
     lazy = LazyCheckpoint(src, device)
+    lazy.check_shapes()
     n_layers = len(lazy.layers)
     shapes = {}
     for i in range(n_layers):
@@ -535,48 +392,23 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     check_group_size({k: _Shape(v) for k, v in shapes.items()}, names, cfg.w_group_size)
     dtypes = {k: lazy.files[f].get_slice(k).get_dtype() for k, f in lazy.where.items()}
     dtypes = {k: _dtype(v) for k, v in dtypes.items()}
+    fmt = weight_format(cfg.out_format)
+    method = METHODS[cfg.method](cfg, config["model_type"], fmt.min_zero(bool(cfg.w_sym)))
+    cdtype = compute_dtype(cfg.compute_dtype, device)
 
     samples = []
-    if cfg.method != "rtn":  # RTN needs no calibration data; bad data fails here, before .partial exists
+    if method.calibrated:  # RTN needs no calibration data; bad data fails here, before .partial exists
         check_calib_seqlen(config, cfg.calib_seqlen)
         tok = AutoTokenizer.from_pretrained(str(src))
         samples = calibration_samples(tok, cfg.calib_dataset, cfg.calib_samples, cfg.calib_seqlen, cfg.seed)
 
     partial = open_partial(out, cfg.fingerprint(src), {"config": asdict(cfg), "source": str(src)}, resume)
-
-    inps, kws = [], []
-    if samples:
-        inps, kws = lazy.capture_inputs(samples)
-    n_tok = sum(x.shape[1] for x in inps)
-    mt = config["model_type"]
-    bar = tqdm(range(n_layers), desc=f"{cfg.method} W{cfg.w_bits}A16 g{cfg.w_group_size} ({n_tok} calib tokens)",
-               unit="layer")
-    reused = 0
-    for i in bar:
-        layer = lazy.layers[i]
-        lazy.materialize(layer, f"model.layers.{i}")
-        f = partial / f"layer_{i:04d}.safetensors"
-        if f.is_file():
-            tensors = load_file(str(f))
-            reused += 1
-        else:
-            if cfg.method == "gptq":
-                qws = _quantize_layer_gptq(layer, inps, kws, cfg, SEQUENTIAL_ORDER[mt])
-            elif cfg.method == "awq":
-                qws = _quantize_layer_awq(layer, inps, kws, cfg, SCALING_GROUPS[mt], NO_CLIP[mt])
-            else:
-                qws = _quantize_layer_rtn(layer, cfg)
-            tensors = _layer_tensors(layer, i, _sanitize(layer, i, qws, cfg), cfg, dtypes)
-            tmp = f.with_suffix(".tmp")
-            save_file(tensors, str(tmp))
-            os.replace(tmp, f)
-        _load_layer_tensors(layer, i, tensors, cfg)
-        if i + 1 < n_layers and cfg.method != "rtn":
-            inps = _run_layer(layer, inps, kws)
-        lazy.release(layer)
-        bar.set_postfix(peak_gib=f"{peak_memory_gib(device):.2f}")
-        if stop_after_layers is not None and i + 1 - reused >= stop_after_layers:
-            raise KeyboardInterrupt(f"stopped after {i + 1} layers (test hook)")
+    try:
+        n_tok, reused, notes = _quantize_layers(lazy, method, samples, cdtype, partial, dtypes, stop_after_layers)
+    except BaseException:
+        if not any(partial.glob("layer_*.safetensors")):  # nothing worth resuming: leave nothing behind
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
 
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         tensors = {}
@@ -587,21 +419,70 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
             tensors.update(load_file(str(partial / f"layer_{i:04d}.safetensors")))
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        qc = _quant_config_block(cfg)
+        qc = fmt.config(cfg.format_options())
         write_json(tmp / "config.json", dict(config, quantization_config=qc))
-        if cfg.out_format == "gptq":
-            write_json(tmp / "quantize_config.json", {k: v for k, v in qc.items() if k != "quant_method"})
+        for name, content in fmt.extra_files(qc).items():
+            write_json(tmp / name, content)
         copy_tokenizer_files(src, tmp)
         wall = time.perf_counter() - t0
         # provenance: how this checkpoint was made, and what it cost
         write_json(tmp / "liteturbo_quantize.json", {
             "source": str(src), "options": asdict(cfg), "calibration_tokens": n_tok, "device": device.type,
-            "wall_seconds": round(wall, 1), "peak_memory_gib": round(peak_memory_gib(device), 2),
-            "reused_layers": reused, "torch_threads": torch.get_num_threads()})
+            "compute_dtype": str(cdtype).replace("torch.", ""), "wall_seconds": round(wall, 1),
+            "peak_memory_gib": round(peak_memory_gib(device), 2), "reused_layers": reused,
+            "torch_threads": torch.get_num_threads(), "notes": notes})
     shutil.rmtree(partial, ignore_errors=True)
-    print(f"[liteturbo] {cfg.method}: wrote {out} ({cfg.out_format} format) in {wall:.1f} s, peak memory "
-          f"{peak_memory_gib(device):.2f} GiB ({device.type})", file=sys.stderr)
+    print(f"[liteturbo] {cfg.method}: wrote {out} ({cfg.out_format} format, {'symmetric' if cfg.w_sym else 'zero point'}"
+          f") in {wall:.1f} s, peak memory {peak_memory_gib(device):.2f} GiB ({device.type})"
+          + (f"; {len(notes)} notes in liteturbo_quantize.json" if notes else ""), file=sys.stderr)
     return out
+
+
+def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype, partial: Path,
+                     dtypes: dict[str, torch.dtype], stop_after_layers: int | None) -> tuple[int, int, list[dict]]:
+    """The layer loop: quantize each decoder layer with ``method`` (or reuse its file in ``partial``), write it,
+    put the dequantized weights back and run the layer for the next one's inputs. Returns (calibration tokens,
+    reused layers, notes of every layer)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = method.cfg
+    n_layers = len(lazy.layers)
+    inps, kws = lazy.capture_inputs(samples) if samples else ([], [])
+    batch = LayerBatch([x.to(cdtype) for x in inps], kws, cdtype)
+    del inps
+    n_tok = sum(x.shape[1] for x in batch.inputs)
+    bar = tqdm(range(n_layers), desc=f"{cfg.method} W{cfg.w_bits}A16 g{cfg.w_group_size} ({n_tok} calib tokens)",
+               unit="layer")
+    reused, notes = 0, []
+    for i in bar:
+        layer = lazy.layers[i]
+        lazy.materialize(layer, f"model.layers.{i}")
+        f = partial / f"layer_{i:04d}.safetensors"
+        notes_file = partial / f"layer_{i:04d}.json"
+        if f.is_file():
+            tensors = load_file(str(f))
+            if notes_file.is_file():
+                notes += json.loads(notes_file.read_text())
+            reused += 1
+        else:
+            method.layer_index, method.notes = i, []
+            method.fold_dtypes = {n.rsplit(".", 1)[0]: dtypes.get(f"model.layers.{i}.{n}", torch.float16)
+                                  for n, _ in layer.named_parameters()}
+            qws = method.quantize_layer(layer, batch)
+            tensors = _layer_tensors(layer, i, _sanitize(layer, i, qws, cfg, dtypes), cfg, dtypes)
+            write_json(notes_file, method.notes)
+            notes += method.notes
+            tmp = f.with_suffix(".tmp")
+            save_file(tensors, str(tmp))
+            os.replace(tmp, f)
+        _load_layer_tensors(layer, i, tensors, cfg)
+        if i + 1 < n_layers and method.calibrated:
+            batch.inputs = batch.run(layer)
+        lazy.release(layer)
+        bar.set_postfix(peak_gib=f"{peak_memory_gib(lazy.device):.2f}")
+        if stop_after_layers is not None and i + 1 - reused >= stop_after_layers:
+            raise KeyboardInterrupt(f"stopped after {i + 1} layers (test hook)")
+    return n_tok, reused, notes
 
 
 class _Shape:

@@ -146,8 +146,8 @@ def test_static_groups_g_idx_is_natural_and_params_from_original_groups():
     W, X, H = _correlated_problem(out_f=32, in_f=128, n=1024, seed=5)
     gs = 32
     qw = gptq_quantize(W, H, bits=4, group_size=gs, sym=False, act_order=True, static_groups=True)
-    assert qw.g_idx is not None
-    assert torch.equal(qw.g_idx.long(), torch.arange(128) // gs)
+    assert qw.g_idx is None  # contiguous groups: storable without g_idx (AWQ GEMM too)
+    assert torch.equal(qw.group_index().long(), torch.arange(128) // gs)
     assert qw.has_trivial_g_idx()
     # static groups take their scale/zero from the unmodified weight: those of RTN
     ref = quantize_rtn(W, 4, gs, False)
@@ -320,9 +320,10 @@ def test_awq_scale_folding_by_the_table_keeps_logits(name):
 
 @pytest.mark.parametrize("name", ["llama-mha", "qwen2-mha-bias", "qwen2-gqa"])
 def test_awq_pipeline_fold_keeps_fp_layer_function(name, monkeypatch):
-    """``_quantize_layer_awq`` folds the searched scales into the fp layer: with random scales forced in,
+    """``lite.methods.AWQ`` folds the searched scales into the fp layer: with random scales forced in,
     the (unquantized) model computes the same logits."""
-    from lite.pipeline import PipelineConfig, _quantize_layer_awq
+    from lite.methods import AWQ, LayerBatch
+    from lite.pipeline import PipelineConfig
 
     hf = _tiny_hf(name)
     ids = _ids()
@@ -342,6 +343,7 @@ def test_awq_pipeline_fold_keeps_fp_layer_function(name, monkeypatch):
     monkeypatch.setattr(lite.awq, "search_scales", fake_search)
     mt = hf.config.model_type
     cfg = PipelineConfig(method="awq", w_group_size=32, clip=False, device="cpu", n_grid=2)
+    method = AWQ(cfg, mt)
     for i, layer in enumerate(hf.model.layers):
         store = []
 
@@ -353,7 +355,7 @@ def test_awq_pipeline_fold_keeps_fp_layer_function(name, monkeypatch):
         with torch.no_grad():
             hf(ids, use_cache=False)
         hd.remove()
-        qws = _quantize_layer_awq(layer, [store[0][0]], [store[0][1]], cfg, SCALING_GROUPS[mt], NO_CLIP[mt])
+        qws = method.quantize_layer(layer, LayerBatch([store[0][0]], [store[0][1]], torch.float32))
         assert set(qws) == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
     kv, heads = hf.config.num_key_value_heads, hf.config.num_attention_heads

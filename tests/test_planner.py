@@ -301,7 +301,7 @@ def test_plan_cli_table_and_quantization_line(tmp_path):
     assert r.exit_code == 0, r.output
     assert "KV cache per token" in r.output and "sessions at once" in r.output
     assert "NO" in r.output and "to fit: --kv-cache-dtype int4" in r.output
-    assert "quantize with lite (awq" in r.output and "--calib-samples" in r.output
+    assert "quantize with lite (awq, 128 x 512 calibration tokens" in r.output and "peak" in r.output
     folder = tmp_path / "cfg-only"
     folder.mkdir()
     shutil.copy(FIXTURES / "llama-3-8b.json", folder / "config.json")

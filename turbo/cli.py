@@ -73,24 +73,12 @@ def lite() -> None:
     """Offline quantization."""
 
 
-@lite.command("rtn")
-@click.argument("model", required=False, default=DEFAULT_MODEL)
-@click.option("--w-bits", default=4, show_default=True, help="Bits per weight.")
-@click.option("--w-group-size", default=128, show_default=True, help="Input channels per group (-1: per channel).")
-@click.option("--w-sym", is_flag=True, help="Symmetric quantization (no zero point).")
-@click.option("--work-dir", default="./work_dir", show_default=True, help="Output checkpoint folder.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing --work-dir.")
-@friendly_errors
-def rtn(model, w_bits, w_group_size, w_sym, work_dir, overwrite) -> None:
-    """Round-to-nearest W4A16 quantization of MODEL (name or checkpoint folder) into AWQ GEMM format."""
-    from lite.quantize import QuantConfig, quantize_checkpoint
-
-    quantize_checkpoint(model, QuantConfig(w_bits, w_group_size, w_sym, work_dir, overwrite), method="rtn")
-
-
 @lite.command("eval-ppl")
 @click.argument("model", required=False, default=DEFAULT_MODEL)
-@click.option("--dataset", default="wikitext2", show_default=True, help="Bundled dataset name (test split).")
+@click.option("--dataset", default="wikitext2", show_default=True,
+              type=click.Choice(["wikitext2", "wikitext2-valid", "zh"]),
+              help="Evaluation text: WikiText-2 test (the standard), WikiText-2 valid, or the Chinese sample (zh); "
+                   "rows joined with \"\\n\\n\". Score on a text the model was not calibrated on.")
 @click.option("--seqlen", default=2048, show_default=True, help="Tokens per window.")
 @click.option("--max-windows", default=None, type=int, help="Score only the first N windows.")
 @click.option("--dtype", default="auto", show_default=True)
@@ -114,45 +102,92 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backen
         raise LiteturboError(f"--seqlen must be at least 2 tokens, got {seqlen}")
     if max_windows is not None and max_windows < 1:
         raise LiteturboError(f"--max-windows must be at least 1, got {max_windows} (leave it out to score all)")
-    if dataset != "wikitext2":
-        raise LiteturboError(f"--dataset {dataset!r}: only wikitext2 has a test split for perplexity")
     engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, max_kv_tokens=seqlen, lm_head="16bit",
                                         kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
                                         kv_calibration=not no_kv_calibration))
-    r = perplexity(engine, calib_data.wikitext2_test_text(), seqlen, max_windows, progress=not as_json)
+    r = perplexity(engine, calib_data.eval_text(dataset), seqlen, max_windows, progress=not as_json)
     st = engine.stats()
     if as_json:
         click.echo(_json.dumps({"ppl": r["ppl"], "tokens": r["tokens"], "seconds": r["seconds"],
                                 "kv_cache_dtype": st["kv_cache_dtype"], "kv_calibrated": st["kv_calibrated"]}))
     else:
         cal = ", calibrated keys" if st["kv_calibrated"] else ""
-        click.echo(f"{model}: WikiText-2 test PPL {r['ppl']:.3f} over {r['windows']} window{'s' if r['windows'] != 1 else ''} of {seqlen} tokens, "
+        click.echo(f"{model}: {dataset} PPL {r['ppl']:.3f} over {r['windows']} window{'s' if r['windows'] != 1 else ''} of {seqlen} tokens, "
                    f"KV cache {st['kv_cache_dtype']}{cal} ({r['seconds']:.0f} s)")
 
 
-def _calib_options(fn):
-    """Options shared by the calibrated methods (names as LMDeploy's ``lite`` uses them)."""
+def _weight_options(fn):
+    """Options every weight-quantization command takes (names as LMDeploy's ``lite`` uses them)."""
     opts = [
         click.option("--w-bits", default=4, show_default=True, help="Bits per weight."),
         click.option("--w-group-size", default=128, show_default=True,
                      help="Input channels per group (-1: per channel). SmolLM2-135M needs 64."),
-        click.option("--w-sym", is_flag=True, help="Symmetric quantization (no zero point)."),
+        click.option("--w-sym/--w-asym", default=None,
+                     help="Symmetric (no zero point) or asymmetric. Default: what the --format's readers load "
+                          "(gptq: symmetric; awq, compressed-tensors: zero point)."),
+        click.option("--format", "out_format", default=None, type=click.Choice(list(_formats())),
+                     help="Output format (default: awq, or gptq for the gptq command). docs/formats.md says who "
+                          "reads each."),
+        click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto."),
+        click.option("--compute-dtype", default="auto", show_default=True,
+                     type=click.Choice(["auto", "bfloat16", "float32"]),
+                     help="dtype of the calibration forwards (auto: bfloat16 where native; solvers stay float32)."),
+        click.option("--work-dir", default="./work_dir", show_default=True, help="Output checkpoint folder."),
+        click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at --work-dir."),
+        click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer."),
+        click.option("--mse-scales/--no-mse-scales", default=False, show_default=True,
+                     help="Group scales/zero points by the smallest rounding error over ranges shrunk up to 20 %."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _formats():
+    from lite.formats.registry import WEIGHT_FORMATS
+
+    return WEIGHT_FORMATS
+
+
+def _calib_options(fn):
+    """Options of the calibrated methods: the weight options plus the calibration data."""
+    opts = [
         click.option("--calib-dataset", default="c4", show_default=True,
                      help="Bundled name (c4, wikitext2, zh) or a .txt/.jsonl/.parquet file or datasets folder."),
         click.option("--calib-samples", default=128, show_default=True, help="Calibration windows."),
         click.option("--calib-seqlen", default=512, show_default=True, help="Tokens per calibration window."),
         click.option("--seed", default=42, show_default=True, help="Seed of the calibration sample."),
-        click.option("--format", "out_format", default=None,
-                     type=click.Choice(["awq", "gptq", "compressed-tensors"]),
-                     help="Output format (default: awq for auto-awq, gptq for gptq)."),
-        click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto."),
-        click.option("--work-dir", default="./work_dir", show_default=True, help="Output checkpoint folder."),
-        click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at --work-dir."),
-        click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return _weight_options(fn)
+
+
+def _order_options(fn):
+    """GPTQ column-order options (``gptq`` and ``auto-awq --rounding gptq``)."""
+    opts = [
+        click.option("--act-order/--no-act-order", default=False, show_default=True,
+                     help="Quantize columns by descending Hessian diagonal (desc_act; writes g_idx)."),
+        click.option("--static-groups", is_flag=True,
+                     help="With --act-order: groups fixed before reordering (no g_idx needed: any --format)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
     return fn
+
+
+@lite.command("rtn")
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@_weight_options
+@friendly_errors
+def rtn(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
+        mse_scales) -> None:
+    """Round-to-nearest W4A16 quantization of MODEL (name or checkpoint folder); no calibration data."""
+    from lite.pipeline import PipelineConfig, quantize_model
+
+    cfg = PipelineConfig(method="rtn", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
+                         device=device, compute_dtype=compute_dtype, mse_scales=mse_scales)
+    quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 
 @lite.command("auto-awq")
@@ -162,36 +197,40 @@ def _calib_options(fn):
 @click.option("--no-clip", is_flag=True, help="Skip the weight-clipping search.")
 @click.option("--rounding", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
               help="Rounding after AWQ scaling/clipping: rtn (the paper) or gptq (error-compensating).")
+@_order_options
 @friendly_errors
-def auto_awq(model, w_bits, w_group_size, w_sym, calib_dataset, calib_samples, calib_seqlen, seed, out_format,
-             device, work_dir, overwrite, resume, n_grid, no_clip, rounding) -> None:
+def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
+             mse_scales, calib_dataset, calib_samples, calib_seqlen, seed, n_grid, no_clip, rounding, act_order,
+             static_groups) -> None:
     """AWQ W4A16 (Lin et al. 2024): activation-aware scales and clipping, layer by layer."""
     from lite.pipeline import PipelineConfig, quantize_model
 
     cfg = PipelineConfig(method="awq", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
                          calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                         seed=seed, device=device, n_grid=n_grid, clip=not no_clip, awq_rounding=rounding)
+                         seed=seed, device=device, compute_dtype=compute_dtype, n_grid=n_grid, clip=not no_clip,
+                         awq_rounding=rounding, act_order=act_order, static_groups=static_groups,
+                         mse_scales=mse_scales)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 
 @lite.command("gptq")
 @click.argument("model", required=False, default=DEFAULT_MODEL)
 @_calib_options
-@click.option("--act-order/--no-act-order", default=False, show_default=True,
-              help="Quantize columns by descending Hessian diagonal (desc_act; writes g_idx).")
-@click.option("--static-groups", is_flag=True, help="With --act-order: groups fixed before reordering.")
+@_order_options
 @click.option("--damp-percent", default=0.01, show_default=True, help="Dampening, fraction of mean diag(H).")
 @click.option("--true-sequential/--no-true-sequential", default=True, show_default=True)
 @friendly_errors
-def gptq(model, w_bits, w_group_size, w_sym, calib_dataset, calib_samples, calib_seqlen, seed, out_format, device,
-         work_dir, overwrite, resume, act_order, static_groups, damp_percent, true_sequential) -> None:
+def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
+         mse_scales, calib_dataset, calib_samples, calib_seqlen, seed, act_order, static_groups, damp_percent,
+         true_sequential) -> None:
     """GPTQ W4A16 (Frantar et al. 2023): Hessian-aware rounding, layer by layer."""
     from lite.pipeline import PipelineConfig, quantize_model
 
     cfg = PipelineConfig(method="gptq", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
                          calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                         seed=seed, device=device, act_order=act_order, static_groups=static_groups,
-                         damp_percent=damp_percent, true_sequential=true_sequential)
+                         seed=seed, device=device, compute_dtype=compute_dtype, act_order=act_order,
+                         static_groups=static_groups, damp_percent=damp_percent, true_sequential=true_sequential,
+                         mse_scales=mse_scales)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 

