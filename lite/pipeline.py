@@ -49,7 +49,8 @@ class PipelineConfig:
     block_size/true_sequential: GPTQ (also AWQ's ``gptq`` rounding). n_grid/duo_scaling/clip/max_shrink/
     loss_tokens: AWQ; awq_rounding: ``rtn`` (the paper) or ``gptq`` (AWQ's scales and clipping, then GPTQ's
     error-compensating rounding on the scaled inputs). mse_scales: group scales/zero points by the smallest
-    rounding error over shrunk ranges (RTN and GPTQ rounding). device: cpu | cuda | auto. compute_dtype: auto |
+    rounding error over shrunk ranges (RTN and GPTQ rounding). rotate: fold a random rotation of the residual stream
+    into the weights first (:mod:`lite.rotation`; seeded by ``seed``; unties a tied head). device: cpu | cuda | auto. compute_dtype: auto |
     bfloat16 | float32 (the calibration forwards; solvers always run in float32).
     """
 
@@ -74,6 +75,7 @@ class PipelineConfig:
     max_shrink: float = 0.5
     loss_tokens: int = 8192
     mse_scales: bool = False
+    rotate: bool = False
     device: str = "auto"
     compute_dtype: str = "auto"
 
@@ -394,6 +396,11 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     dtypes = {k: _dtype(v) for k, v in dtypes.items()}
     fmt = weight_format(cfg.out_format)
     method = METHODS[cfg.method](cfg, config["model_type"], fmt.min_zero(bool(cfg.w_sym)))
+    rotation = None
+    if cfg.rotate:
+        from .rotation import ResidualRotation
+
+        rotation = ResidualRotation(int(config["hidden_size"]), config["model_type"], cfg.seed)
     cdtype = compute_dtype(cfg.compute_dtype, device)
 
     samples = []
@@ -404,7 +411,8 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
 
     partial = open_partial(out, cfg.fingerprint(src), {"config": asdict(cfg), "source": str(src)}, resume)
     try:
-        n_tok, reused, notes = _quantize_layers(lazy, method, samples, cdtype, partial, dtypes, stop_after_layers)
+        n_tok, reused, notes = _quantize_layers(lazy, method, samples, cdtype, partial, dtypes, stop_after_layers,
+                                                rotation)
     except BaseException:
         if not any(partial.glob("layer_*.safetensors")):  # nothing worth resuming: leave nothing behind
             shutil.rmtree(partial, ignore_errors=True)
@@ -415,6 +423,11 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
         for k in lazy.where:
             if not k.startswith("model.layers."):
                 tensors[k] = lazy.tensor(k)
+        if rotation is not None:
+            embed = tensors["model.embed_tokens.weight"]
+            tensors["model.embed_tokens.weight"], tensors["lm_head.weight"], tensors["model.norm.weight"] = \
+                rotation.fold_outside(embed, tensors.get("lm_head.weight", embed), tensors["model.norm.weight"])
+            config = dict(config, tie_word_embeddings=False)
         for i in range(n_layers):
             tensors.update(load_file(str(partial / f"layer_{i:04d}.safetensors")))
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
@@ -439,15 +452,19 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
 
 
 def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype, partial: Path,
-                     dtypes: dict[str, torch.dtype], stop_after_layers: int | None) -> tuple[int, int, list[dict]]:
+                     dtypes: dict[str, torch.dtype], stop_after_layers: int | None,
+                     rotation=None) -> tuple[int, int, list[dict]]:
     """The layer loop: quantize each decoder layer with ``method`` (or reuse its file in ``partial``), write it,
-    put the dequantized weights back and run the layer for the next one's inputs. Returns (calibration tokens,
-    reused layers, notes of every layer)."""
+    put the dequantized weights back and run the layer for the next one's inputs; with a ``rotation``
+    (:class:`lite.rotation.ResidualRotation`) each layer is rotated first and so are layer 0's inputs. Returns
+    (calibration tokens, reused layers, notes of every layer)."""
     from safetensors.torch import load_file, save_file
 
     cfg = method.cfg
     n_layers = len(lazy.layers)
     inps, kws = lazy.capture_inputs(samples) if samples else ([], [])
+    if rotation is not None:
+        inps = [rotation.rotate_inputs(h) for h in inps]
     batch = LayerBatch([x.to(cdtype) for x in inps], kws, cdtype)
     del inps
     n_tok = sum(x.shape[1] for x in batch.inputs)
@@ -465,6 +482,8 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
                 notes += json.loads(notes_file.read_text())
             reused += 1
         else:
+            if rotation is not None:
+                rotation.fold_layer(layer)
             method.layer_index, method.notes = i, []
             method.fold_dtypes = {n.rsplit(".", 1)[0]: dtypes.get(f"model.layers.{i}.{n}", torch.float16)
                                   for n, _ in layer.named_parameters()}

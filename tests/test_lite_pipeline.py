@@ -220,3 +220,24 @@ def test_raised_gptq_dampening_is_logged_and_in_the_provenance(tmp_path, smollm2
     raised = [n for n in notes if "damp_percent" in n]
     assert len(raised) == 2 * 7 and all(n["damp_percent"] == pytest.approx(0.1) for n in raised)
     assert {n["layer"] for n in raised} == {0, 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
+def test_lite_on_cuda_agrees_with_cpu(tmp_path, smollm2_path, method):
+    """--device cuda runs the same pipeline: float32 forwards on both sides give the same codes up to rounding ties."""
+    from lite.formats import load_config, load_quantized_linears, load_state_dict, quantization_spec
+
+    src = _save_tiny(tmp_path / "src", smollm2_path)
+    opts = dict(OPTS, compute_dtype="float32")
+    made = {}
+    for dev in ("cpu", "cuda"):
+        out = quantize_model(str(src), PipelineConfig(method=method, **dict(opts, device=dev)), str(tmp_path / dev))
+        assert json.loads((out / "liteturbo_quantize.json").read_text())["device"] == dev
+        made[dev] = load_quantized_linears(load_state_dict(out), quantization_spec(load_config(out)))
+    assert made["cpu"].keys() == made["cuda"].keys() and len(made["cpu"]) == 14
+    for k, a in made["cpu"].items():
+        b = made["cuda"][k]
+        assert float((a.qweight == b.qweight).float().mean()) >= 0.9, k
+        da, db = a.dequantize(torch.float32), b.dequantize(torch.float32)
+        assert float((da - db).norm() / da.norm()) <= 0.1, k

@@ -137,6 +137,9 @@ def _weight_options(fn):
         click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer."),
         click.option("--mse-scales/--no-mse-scales", default=False, show_default=True,
                      help="Group scales/zero points by the smallest rounding error over ranges shrunk up to 20 %."),
+        click.option("--rotate", is_flag=True,
+                     help="Fold a random rotation of the residual stream into the weights first (QuaRot R1; a "
+                          "standard checkpoint, with the output head untied)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -181,12 +184,12 @@ def _order_options(fn):
 @_weight_options
 @friendly_errors
 def rtn(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-        mse_scales) -> None:
+        mse_scales, rotate) -> None:
     """Round-to-nearest W4A16 quantization of MODEL (name or checkpoint folder); no calibration data."""
     from lite.pipeline import PipelineConfig, quantize_model
 
     cfg = PipelineConfig(method="rtn", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
-                         device=device, compute_dtype=compute_dtype, mse_scales=mse_scales)
+                         device=device, compute_dtype=compute_dtype, mse_scales=mse_scales, rotate=rotate)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 
@@ -200,7 +203,7 @@ def rtn(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, w
 @_order_options
 @friendly_errors
 def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-             mse_scales, calib_dataset, calib_samples, calib_seqlen, seed, n_grid, no_clip, rounding, act_order,
+             mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, n_grid, no_clip, rounding, act_order,
              static_groups) -> None:
     """AWQ W4A16 (Lin et al. 2024): activation-aware scales and clipping, layer by layer."""
     from lite.pipeline import PipelineConfig, quantize_model
@@ -209,7 +212,7 @@ def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dty
                          calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                          seed=seed, device=device, compute_dtype=compute_dtype, n_grid=n_grid, clip=not no_clip,
                          awq_rounding=rounding, act_order=act_order, static_groups=static_groups,
-                         mse_scales=mse_scales)
+                         mse_scales=mse_scales, rotate=rotate)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 
@@ -221,7 +224,7 @@ def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dty
 @click.option("--true-sequential/--no-true-sequential", default=True, show_default=True)
 @friendly_errors
 def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-         mse_scales, calib_dataset, calib_samples, calib_seqlen, seed, act_order, static_groups, damp_percent,
+         mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, act_order, static_groups, damp_percent,
          true_sequential) -> None:
     """GPTQ W4A16 (Frantar et al. 2023): Hessian-aware rounding, layer by layer."""
     from lite.pipeline import PipelineConfig, quantize_model
@@ -230,7 +233,7 @@ def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, 
                          calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                          seed=seed, device=device, compute_dtype=compute_dtype, act_order=act_order,
                          static_groups=static_groups, damp_percent=damp_percent, true_sequential=true_sequential,
-                         mse_scales=mse_scales)
+                         mse_scales=mse_scales, rotate=rotate)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 
@@ -467,8 +470,15 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
     if quantize_first:  # the lite side: can this device run the layer-by-layer pipeline for it?
         from lite.memory import quantize_peak
 
+        import torch
+
+        from lite.methods import compute_dtype
+
+        # lite's calibration forwards run in bfloat16 on GPUs and CPUs that multiply it natively, else float32
+        cpu_f32 = p.device == "cpu" and compute_dtype("auto", torch.device("cpu")) == torch.float32
+        cbytes = 4 if cpu_f32 else 2
         try:
-            q = quantize_peak(p.raw_config, quant_method, calib_samples, calib_seqlen)
+            q = quantize_peak(p.raw_config, quant_method, calib_samples, calib_seqlen, compute_bytes=cbytes)
         except ValueError as e:
             raise LiteturboError(str(e)) from None
         room = p.budget - p.reserve
@@ -477,9 +487,9 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
         advice = ""
         if q.peak > room and quant_method != "rtn":
             n = calib_samples
-            while n > 8 and quantize_peak(p.raw_config, quant_method, n, calib_seqlen).peak > room:
+            while n > 8 and quantize_peak(p.raw_config, quant_method, n, calib_seqlen, compute_bytes=cbytes).peak > room:
                 n //= 2
-            if quantize_peak(p.raw_config, quant_method, n, calib_seqlen).peak <= room:
+            if quantize_peak(p.raw_config, quant_method, n, calib_seqlen, compute_bytes=cbytes).peak <= room:
                 advice = f"--calib-samples {n} fits"
             else:
                 advice = "quantize on the CPU (--device cpu) where RAM allows"

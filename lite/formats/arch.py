@@ -85,3 +85,10 @@ LLAMA_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 SCALING_GROUPS = {name: LLAMA_SCALING_GROUPS for name in ARCHITECTURES}
 SEQUENTIAL_ORDER = {name: LLAMA_SEQUENTIAL for name in ARCHITECTURES}
 NO_CLIP = {name: LLAMA_NO_CLIP for name in ARCHITECTURES}
+
+# The residual stream as data (for a rotation folded into the weights, lite.rotation): each norm that reads it and
+# the linears it feeds, and the linears that write back into it.
+RESIDUAL_READERS = {name: (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                           ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")))
+                    for name in ARCHITECTURES}
+RESIDUAL_WRITERS = {name: ("self_attn.o_proj", "mlp.down_proj") for name in ARCHITECTURES}
