@@ -6,7 +6,8 @@
 # Uses the machine's python3 with its own torch, triton, transformers, safetensors, accelerate, click, tqdm and
 # psutil (nothing is downloaded: the repository is put on PYTHONPATH). Each step writes its output to RESULTS_DIR
 # and a failed step does not stop the later ones; the exit status is the number of failed steps.
-# Steps and their rough time on an H200: tests ~1 min, kernel bench ~1 min, model build ~2 min, decode ~3 min.
+# Steps and their rough time on an H200: tests ~1 min, kernel bench ~1 min, model build ~2 min, decode ~3 min,
+# lite on 1- and 2-layer Llama-3-8B-shaped models (rtn, awq, gptq; the difference = one layer) a few minutes.
 set -u
 cd "$(dirname "$0")/.."
 RES="${1:-${OUT:-./gpu_results}}"
@@ -34,7 +35,7 @@ step() {  # step NAME CMD...: run, tee to RES/NAME.log, count failures
 step env bash -c "nvidia-smi; $PY -m turbo.cli env"
 [ -n "${SKIP_TESTS:-}" ] || step tests $PY -m pytest -q -rfEs -p no:cacheprovider tests/test_triton_kernels.py \
   tests/test_triton_engine.py tests/test_platform.py tests/test_kernels.py tests/test_sampler_batched.py \
-  tests/test_planner.py -m "not slow"
+  tests/test_planner.py tests/test_lite_pipeline.py -m "not slow"
 step kernels bash -c "$PY bench/kernels.py --suite llama3 --device $DEVICE ${QUICK:+--quick} --json > '$RES/kernels.json' && \
   $PY -c 'import json,sys; sys.path.insert(0,\"bench\"); import kernels; r = json.load(open(\"$RES/kernels.json\"))[\"llama3\"]; kernels.print_llama3(r); kernels.print_elementwise(r)'"
 step model bash -c "[ -f '$MODEL/tokenizer.json' ] || { $PY bench/load_memory.py --make-llama3-8b '$MODEL' \
@@ -43,5 +44,7 @@ step model bash -c "[ -f '$MODEL/tokenizer.json' ] || { $PY bench/load_memory.py
 step load_memory $PY bench/load_memory.py "$MODEL" --device "$DEVICE" --modes stream --json
 step decode $PY bench/gpu_decode.py "$MODEL" --device "$DEVICE" --backends "$BACKENDS" --kv auto,int8,int4 \
   --requests "$REQUESTS" --prompt-len 128 --new-tokens "$NEW_TOKENS"
+step lite_speed bash -c "$PY bench/lite_speed.py --shape llama3-8b --layers 1 --device $DEVICE --json > '$RES/lite_speed_1l.json' && \
+  $PY bench/lite_speed.py --shape llama3-8b --layers 2 --device $DEVICE --json > '$RES/lite_speed_2l.json'"
 echo "failed steps: $fails" | tee "$RES/summary.txt"
 exit "$fails"

@@ -105,7 +105,8 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_si
                 Hinv = torch.eye(in_f, device=H.device)
                 break
             damp = damp * 10 if damp > 0 else 1e-6 * max(float(diag_mean), 1.0)
-    info["damp_percent"] = float(damp / diag_mean) if float(diag_mean) > 0 else damp_percent
+    if attempt > 0 and "fallback" not in info:  # dampening was raised
+        info["damp_percent"] = float(damp / diag_mean) if float(diag_mean) > 0 else float(damp)
 
     Q = torch.zeros_like(W)
     scales = torch.zeros(n_groups, out_f)

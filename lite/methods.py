@@ -164,6 +164,24 @@ class QuantMethod:
         self.cfg, self.model_type, self.min_zero = cfg, model_type, min_zero
         self.notes: list[dict] = []
         self.layer_index = 0
+        self.calibrated = type(self).calibrated or cfg.tune_steps > 0
+
+    def run(self, layer: torch.nn.Module, batch: LayerBatch) -> dict[str, QuantizedWeight]:
+        """:meth:`quantize_layer`, then (``tune_steps > 0``) the block-wise tuning of :mod:`lite.tune` against the
+        float layer's outputs on the first ``loss_tokens`` calibration tokens."""
+        cfg = self.cfg
+        if cfg.tune_steps <= 0:
+            return self.quantize_layer(layer, batch)
+        from .tune import tune_layer
+
+        n = batch.loss_samples(cfg.loss_tokens)
+        head = LayerBatch(batch.inputs[:n], batch.kwargs[:n], batch.dtype)
+        targets = head.run(layer)
+        qws = self.quantize_layer(layer, batch)
+        qws, before, after = tune_layer(layer, qws, head.inputs, head.kwargs, targets, cfg.tune_steps,
+                                        dtype=batch.dtype)
+        self.tune_losses = (before, after)
+        return qws
 
     def quantize_layer(self, layer: torch.nn.Module, batch: LayerBatch) -> dict[str, QuantizedWeight]:
         """Quantize the decoder linears of ``layer``; returns ``{name: QuantizedWeight}``."""
@@ -180,7 +198,7 @@ class QuantMethod:
         cfg, info = self.cfg, {}
         qw = gptq_quantize(w, H, cfg.w_bits, cfg.w_group_size, cfg.w_sym, cfg.act_order, cfg.static_groups,
                            cfg.block_size, cfg.damp_percent, min_zero=self.min_zero, mse=cfg.mse_scales, info=info)
-        if info.get("damp_percent", cfg.damp_percent) > cfg.damp_percent:
+        if "damp_percent" in info:
             self.note(name, f"GPTQ dampening raised from {cfg.damp_percent} to {info['damp_percent']:.3g} of the "
                             f"mean Hessian diagonal (Cholesky failed)", damp_percent=info["damp_percent"])
         if info.get("fallback"):

@@ -50,7 +50,8 @@ class PipelineConfig:
     loss_tokens: AWQ; awq_rounding: ``rtn`` (the paper) or ``gptq`` (AWQ's scales and clipping, then GPTQ's
     error-compensating rounding on the scaled inputs). mse_scales: group scales/zero points by the smallest
     rounding error over shrunk ranges (RTN and GPTQ rounding). rotate: fold a random rotation of the residual stream
-    into the weights first (:mod:`lite.rotation`; seeded by ``seed``; unties a tied head). device: cpu | cuda | auto. compute_dtype: auto |
+    into the weights first (:mod:`lite.rotation`; seeded by ``seed``; unties a tied head). tune_steps: steps of
+    block-wise tuning of rounding and scales after the method (:mod:`lite.tune`; 0 = off). device: cpu | cuda | auto. compute_dtype: auto |
     bfloat16 | float32 (the calibration forwards; solvers always run in float32).
     """
 
@@ -76,6 +77,7 @@ class PipelineConfig:
     loss_tokens: int = 8192
     mse_scales: bool = False
     rotate: bool = False
+    tune_steps: int = 0
     device: str = "auto"
     compute_dtype: str = "auto"
 
@@ -102,6 +104,8 @@ class PipelineConfig:
             raise LiteturboError(f"--damp-percent must be in (0, 1), got {self.damp_percent}")
         if self.awq_rounding not in ("rtn", "gptq"):
             raise LiteturboError(f"awq rounding must be rtn or gptq, got {self.awq_rounding!r}")
+        if self.tune_steps < 0:
+            raise LiteturboError(f"--tune-steps must be >= 0, got {self.tune_steps}")
         if self.block_size < 1 or self.n_grid < 1 or self.loss_tokens < 1:
             raise LiteturboError("block_size, n_grid and loss_tokens must be >= 1")
         if not 0 < self.max_shrink < 1:
@@ -487,7 +491,7 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
             method.layer_index, method.notes = i, []
             method.fold_dtypes = {n.rsplit(".", 1)[0]: dtypes.get(f"model.layers.{i}.{n}", torch.float16)
                                   for n, _ in layer.named_parameters()}
-            qws = method.quantize_layer(layer, batch)
+            qws = method.run(layer, batch)
             tensors = _layer_tensors(layer, i, _sanitize(layer, i, qws, cfg, dtypes), cfg, dtypes)
             write_json(notes_file, method.notes)
             notes += method.notes
@@ -498,7 +502,10 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
         if i + 1 < n_layers and method.calibrated:
             batch.inputs = batch.run(layer)
         lazy.release(layer)
-        bar.set_postfix(peak_gib=f"{peak_memory_gib(lazy.device):.2f}")
+        post = {"peak_gib": f"{peak_memory_gib(lazy.device):.2f}"}
+        if getattr(method, "tune_losses", None):
+            post["tune"] = "{:.2e}->{:.2e}".format(*method.tune_losses)
+        bar.set_postfix(**post)
         if stop_after_layers is not None and i + 1 - reused >= stop_after_layers:
             raise KeyboardInterrupt(f"stopped after {i + 1} layers (test hook)")
     return n_tok, reused, notes

@@ -224,11 +224,16 @@ def test_raised_gptq_dampening_is_logged_and_in_the_provenance(tmp_path, smollm2
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["rtn", "awq", "gptq"])
-def test_lite_on_cuda_agrees_with_cpu(tmp_path, smollm2_path, method):
+def test_lite_on_cuda_agrees_with_cpu(tmp_path, method):
     """--device cuda runs the same pipeline: float32 forwards on both sides give the same codes up to rounding ties."""
     from lite.formats import load_config, load_quantized_linears, load_state_dict, quantization_spec
+    from tiny_models import save_word_tokenizer
 
-    src = _save_tiny(tmp_path / "src", smollm2_path)
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**dict(TINY, vocab_size=2000)),
+                                                  dtype=torch.float32).save_pretrained(src)
+    save_word_tokenizer(src, 2000)
     opts = dict(OPTS, compute_dtype="float32")
     made = {}
     for dev in ("cpu", "cuda"):
@@ -241,3 +246,40 @@ def test_lite_on_cuda_agrees_with_cpu(tmp_path, smollm2_path, method):
         assert float((a.qweight == b.qweight).float().mean()) >= 0.9, k
         da, db = a.dequantize(torch.float32), b.dequantize(torch.float32)
         assert float((da - db).norm() / da.norm()) <= 0.1, k
+
+
+def test_block_tuning_lowers_the_layer_error_and_keeps_the_format():
+    """lite.tune: starting from RTN codes, the tuned layer reproduces the float layer better on its samples, with
+    codes in range, the same zero points and grouping (so the same on-disk format)."""
+    from lite.rtn import quantize_rtn
+    from lite.tune import tune_layer
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**dict(TINY, vocab_size=96)),
+                                                       dtype=torch.float32).eval()
+    layer = hf.model.layers[0]
+    store = []
+    hd = layer.register_forward_pre_hook(
+        lambda _m, args, kw: store.append((args[0] if args else kw["hidden_states"],
+                                           {k: v for k, v in kw.items() if k != "hidden_states"})), with_kwargs=True)
+    with torch.no_grad():
+        for s in range(4):
+            hf(torch.randint(0, 96, (1, 32), generator=torch.Generator().manual_seed(s)), use_cache=False)
+    hd.remove()
+    inputs, kwargs = [h.detach() for h, _ in store], [kw for _, kw in store]
+    targets = LayerBatch(inputs, kwargs).run(layer)
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj"]
+    qws = {n: quantize_rtn(layer.get_submodule(n).weight.data, 4, 32) for n in names}
+    tuned, before, after = tune_layer(layer, qws, inputs, kwargs, targets, steps=60, batch=2)
+    assert after < 0.9 * before, (before, after)
+    for n in names:
+        a, b = qws[n], tuned[n]
+        assert torch.equal(a.qzeros, b.qzeros) and b.g_idx is None and b.scales.dtype == torch.float16
+        assert int(b.qweight.max()) <= 15 and (b.qweight.int() - a.qweight.int()).abs().max() <= 1
+    # and the loss it reports is the layer's: recompute with the tuned weights put in
+    for n in names:
+        layer.get_submodule(n).weight.data = tuned[n].dequantize(torch.float32)
+    out = LayerBatch(inputs, kwargs).run(layer)
+    got = sum(float((o - t).pow(2).mean()) for o, t in zip(out, targets)) / len(out)
+    assert got == pytest.approx(after, rel=0.05)

@@ -160,6 +160,9 @@ def _calib_options(fn):
         click.option("--calib-samples", default=128, show_default=True, help="Calibration windows."),
         click.option("--calib-seqlen", default=512, show_default=True, help="Tokens per calibration window."),
         click.option("--seed", default=42, show_default=True, help="Seed of the calibration sample."),
+        click.option("--tune-steps", default=0, show_default=True,
+                     help="Block-wise tuning of rounding and group scales after the method (AutoRound-style; 0: "
+                          "off; slower, better)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -203,7 +206,7 @@ def rtn(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, w
 @_order_options
 @friendly_errors
 def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-             mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, n_grid, no_clip, rounding, act_order,
+             mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, n_grid, no_clip, rounding, act_order,
              static_groups) -> None:
     """AWQ W4A16 (Lin et al. 2024): activation-aware scales and clipping, layer by layer."""
     from lite.pipeline import PipelineConfig, quantize_model
@@ -212,7 +215,7 @@ def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dty
                          calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                          seed=seed, device=device, compute_dtype=compute_dtype, n_grid=n_grid, clip=not no_clip,
                          awq_rounding=rounding, act_order=act_order, static_groups=static_groups,
-                         mse_scales=mse_scales, rotate=rotate)
+                         mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 
@@ -224,7 +227,7 @@ def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dty
 @click.option("--true-sequential/--no-true-sequential", default=True, show_default=True)
 @friendly_errors
 def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-         mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, act_order, static_groups, damp_percent,
+         mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, act_order, static_groups, damp_percent,
          true_sequential) -> None:
     """GPTQ W4A16 (Frantar et al. 2023): Hessian-aware rounding, layer by layer."""
     from lite.pipeline import PipelineConfig, quantize_model
@@ -233,7 +236,7 @@ def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, 
                          calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                          seed=seed, device=device, compute_dtype=compute_dtype, act_order=act_order,
                          static_groups=static_groups, damp_percent=damp_percent, true_sequential=true_sequential,
-                         mse_scales=mse_scales, rotate=rotate)
+                         mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 
