@@ -36,6 +36,8 @@ step env bash -c "nvidia-smi; $PY -m turbo.cli env"
 [ -n "${SKIP_TESTS:-}" ] || step tests $PY -m pytest -q -rfEs -p no:cacheprovider tests/test_triton_kernels.py \
   tests/test_triton_engine.py tests/test_platform.py tests/test_kernels.py tests/test_sampler_batched.py \
   tests/test_planner.py tests/test_lite_pipeline.py -m "not slow"
+step lite_speed bash -c "$PY bench/lite_speed.py --shape llama3-8b --layers 1 --device $DEVICE --json > '$RES/lite_speed_1l.json' && \
+  $PY bench/lite_speed.py --shape llama3-8b --layers 2 --device $DEVICE --json > '$RES/lite_speed_2l.json'"
 step kernels bash -c "$PY bench/kernels.py --suite llama3 --device $DEVICE ${QUICK:+--quick} --json > '$RES/kernels.json' && \
   $PY -c 'import json,sys; sys.path.insert(0,\"bench\"); import kernels; r = json.load(open(\"$RES/kernels.json\"))[\"llama3\"]; kernels.print_llama3(r); kernels.print_elementwise(r)'"
 step model bash -c "[ -f '$MODEL/tokenizer.json' ] || { $PY bench/load_memory.py --make-llama3-8b '$MODEL' \
@@ -44,7 +46,5 @@ step model bash -c "[ -f '$MODEL/tokenizer.json' ] || { $PY bench/load_memory.py
 step load_memory $PY bench/load_memory.py "$MODEL" --device "$DEVICE" --modes stream --json
 step decode $PY bench/gpu_decode.py "$MODEL" --device "$DEVICE" --backends "$BACKENDS" --kv auto,int8,int4 \
   --requests "$REQUESTS" --prompt-len 128 --new-tokens "$NEW_TOKENS"
-step lite_speed bash -c "$PY bench/lite_speed.py --shape llama3-8b --layers 1 --device $DEVICE --json > '$RES/lite_speed_1l.json' && \
-  $PY bench/lite_speed.py --shape llama3-8b --layers 2 --device $DEVICE --json > '$RES/lite_speed_2l.json'"
 echo "failed steps: $fails" | tee "$RES/summary.txt"
 exit "$fails"
