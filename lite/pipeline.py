@@ -491,7 +491,7 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
             method.layer_index, method.notes = i, []
             method.fold_dtypes = {n.rsplit(".", 1)[0]: dtypes.get(f"model.layers.{i}.{n}", torch.float16)
                                   for n, _ in layer.named_parameters()}
-            qws = method.run(layer, batch)
+            qws = {n: _on_cpu(q) for n, q in method.run(layer, batch).items()}  # packing runs on the CPU
             tensors = _layer_tensors(layer, i, _sanitize(layer, i, qws, cfg, dtypes), cfg, dtypes)
             write_json(notes_file, method.notes)
             notes += method.notes
@@ -509,6 +509,14 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
         if stop_after_layers is not None and i + 1 - reused >= stop_after_layers:
             raise KeyboardInterrupt(f"stopped after {i + 1} layers (test hook)")
     return n_tok, reused, notes
+
+
+def _on_cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    """``qw`` with every tensor on the CPU (methods may return them on the run's device)."""
+    import dataclasses
+
+    return dataclasses.replace(qw, **{f.name: getattr(qw, f.name).cpu() for f in dataclasses.fields(qw)
+                                      if isinstance(getattr(qw, f.name), torch.Tensor)})
 
 
 class _Shape:
