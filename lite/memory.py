@@ -8,6 +8,8 @@ bytes: 2 for bfloat16, 4 for float32):
 
 * capture: the embedding table ``[V, H]`` (float32) and the inputs of layer 0, ``N x L x H`` in float32 and again
   in the compute dtype.
+* with ``--tune-steps``: four float32 copies of the layer's weights (rounding offsets, their gradients, Adam's two
+  moments) and the autograd activations of a 4-sample batch.
 * per layer: the layer's weights, its inputs and, while it runs, its outputs (``2 x N x L x H x c``); then by method:
 
   - ``rtn``: a float32 copy of the largest linear while it is quantized (no calibration data).
@@ -39,10 +41,12 @@ class QuantizeMemory:
 
 
 def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, calib_seqlen: int = 512,
-                  loss_tokens: int = 8192, awq_rounding: str = "rtn", compute_bytes: int = 2) -> QuantizeMemory:
+                  loss_tokens: int = 8192, awq_rounding: str = "rtn", compute_bytes: int = 2,
+                  tune: bool = False) -> QuantizeMemory:
     """Estimate the peak memory of ``liteturbo lite <method>`` for a model's ``config`` (its config.json as a dict).
     ``method``: ``rtn``, ``awq`` or ``gptq``; ``compute_bytes``: 2 (bfloat16 forwards, the default where native) or
-    4 (float32); the other arguments as :class:`lite.pipeline.PipelineConfig`. Raises ``ValueError`` for an unknown
+    4 (float32); ``tune``: with ``--tune-steps`` (rounding offsets, their gradients and Adam's two moments per weight,
+    and the autograd activations of 4 samples); the other arguments as :class:`lite.pipeline.PipelineConfig`. Raises ``ValueError`` for an unknown
     method or a config without the needed fields."""
     if method not in ("rtn", "awq", "gptq"):
         raise ValueError(f"unknown method {method!r} (rtn, awq, gptq)")
@@ -85,6 +89,8 @@ def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, c
         out_for = {h: 2 * inter, q: h, inter: h}
         method_parts = {"hessian and inverse": 3 * gptq_in * gptq_in * F32,
                         "gptq weight copies": 2 * out_for.get(gptq_in, h) * gptq_in * F32}
+    if tune:
+        method_parts["tuning"] = 4 * layer_params * F32 + 4 * calib_seqlen * (12 * h + 6 * inter) * F32
     layer = {"layer weights": weights, "layer inputs": tokens * h * c, **method_parts}
     phases = [("capture", capture), ("layer forward", forward), ("layer search", layer)]
     phase, parts = max(phases, key=lambda p: sum(p[1].values()))
