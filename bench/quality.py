@@ -30,6 +30,14 @@ RECIPES = {
     "awq-gptq": ["auto-awq", "--rounding", "gptq"],
     "awq-gptq-act-order": ["auto-awq", "--rounding", "gptq", "--act-order", "--format", "compressed-tensors"],
     "awq-gptq-act-order-static": ["auto-awq", "--rounding", "gptq", "--act-order", "--static-groups"],
+    "awq-gptq-act-order-mse": ["auto-awq", "--rounding", "gptq", "--act-order", "--mse-scales", "--format",
+                               "compressed-tensors"],
+    "awq-gptq-act-order-noclip": ["auto-awq", "--rounding", "gptq", "--act-order", "--no-clip", "--format",
+                                  "compressed-tensors"],
+    "awq-gptq-act-order-tune": ["auto-awq", "--rounding", "gptq", "--act-order", "--tune-steps", "100", "--format",
+                                "compressed-tensors"],
+    "rtn-rotate": ["rtn", "--rotate"],
+    "awq-rotate": ["auto-awq", "--rotate"],
 }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -96,6 +96,7 @@ class InputStats:
         self.keep, self.kept, self.dtype, self.skipped = keep, [], dtype, 0
 
     def add(self, x: torch.Tensor) -> None:
+        """Add rows ``x [..., in]`` (any float dtype)."""
         x = x.detach().reshape(-1, x.shape[-1])
         ok = torch.isfinite(x).all(-1)
         if not bool(ok.all()):

@@ -21,7 +21,7 @@ import resource
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_
                       copy_tokenizer_files, load_config, resolve_model, write_json)
 from .formats.checkpoint import config_mismatch, weight_files
 from .formats.registry import WEIGHT_FORMATS, FormatOptions, weight_format
-from .methods import METHODS, LayerBatch, compute_dtype
+from .methods import METHODS, LayerBatch, _Stop, compute_dtype
 
 FORMATS = tuple(WEIGHT_FORMATS)
 
@@ -169,10 +169,6 @@ def open_partial(out: Path, fingerprint: str, state: dict, resume: bool) -> Path
 
 
 # ----------------------------------------------------------------------------------------------------
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass early."""
-
-
 class LazyCheckpoint:
     """A meta-device HF model whose tensors are read from safetensors on demand (accelerate).
 

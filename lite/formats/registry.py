@@ -78,6 +78,8 @@ class WeightFormat:
 
 
 class AwqGemmFormat(WeightFormat):
+    """AWQ GEMM (:mod:`.awq`): no ``g_idx``, so act-order only with static groups."""
+
     name, quant_method = "awq", "awq"
     tensors = ("qweight", "qzeros", "scales")
     stores_g_idx = False
@@ -102,6 +104,9 @@ class AwqGemmFormat(WeightFormat):
 
 
 class GptqFormat(WeightFormat):
+    """GPTQ v1 or v2 (:mod:`.gptq`, ``checkpoint_format``); writes ``quantize_config.json`` too; v1 asymmetric zero
+    points must be >= 1."""
+
     quant_method = "gptq"
     tensors = ("qweight", "qzeros", "scales", "g_idx")
     default_sym = True
@@ -130,6 +135,8 @@ class GptqFormat(WeightFormat):
 
 
 class CompressedTensorsFormat(WeightFormat):
+    """compressed-tensors ``pack-quantized`` (:mod:`.compressed_tensors`), act-order as ``actorder``."""
+
     name, quant_method = "compressed-tensors", "compressed-tensors"
     tensors = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
     readers = "llm-compressor, vLLM (compressed-tensors), transformers (compressed-tensors)"
