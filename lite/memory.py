@@ -15,7 +15,8 @@ bytes: 2 for bfloat16, 4 for float32):
   - ``rtn``: a float32 copy of the largest linear while it is quantized (no calibration data).
   - ``awq``: the first ``loss_tokens`` tokens of each linear input (q/k/v and gate/up share theirs: ``T x (2H +
     heads x head_dim + I) x c``), the loss search's outputs in float32 (reference, candidate, difference: ``3 x T x
-    H``) and the MLP's intermediates while it runs (``3 x T x I x c``), the clipping inputs and the search's weight copies (3 x the largest scaling group); with ``gptq`` rounding the four
+    H``), the MLP's intermediates while it runs (``3 x T x I`` float32) and a linear's concatenated loss inputs
+    (``T x max(q, I) x c``), the clipping inputs and the search's weight copies (3 x the largest scaling group); with ``gptq`` rounding the four
     input Hessians (``2H² + q² + I²`` floats).
   - ``gptq``: the Hessian of the current input (``in x in``) and GPTQ's working copies (Hessian copy and inverse:
     2 more ``in x in``; the weight and its quantized copy ``2 x out x in``), for the largest input (the MLP's down
@@ -79,8 +80,8 @@ def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, c
         # outputs of the inspected module (H wide) in float32: reference, candidate, difference; the MLP's
         # intermediates while it runs; the weight copies of the largest group
         method_parts = {"kept linear inputs": lt * (2 * h + q + inter) * c,
-                        "scale search": lt * (3 * h * F32 + 3 * inter * c) + 3 * max(linears["gate_up"][0] * h,
-                                                                                   linears["qkv"][0] * h) * F32,
+                        "scale search": lt * (3 * h * F32 + 3 * inter * F32 + max(q, inter) * c)
+                        + 3 * max(linears["gate_up"][0] * h, linears["qkv"][0] * h) * F32,
                         "clip inputs": 2 * lt * max(h, q, inter) * c}
         if awq_rounding == "gptq":
             method_parts["hessians"] = (2 * h * h + q * q + inter * inter) * F32
