@@ -3,7 +3,8 @@
     python bench/compat.py [--model smollm2-135m-instruct] [--readers vllm,transformers] [--work DIR] [--json]
 
 For each ``--format`` x ``--w-sym/--w-asym`` that lite writes, a round-to-nearest g64 checkpoint of ``--model`` is
-made (``liteturbo lite rtn``: the packing and config are what is tested, not the method), then each reader loads it
+made (``liteturbo lite rtn``: the packing and config are what is tested, not the method), plus GPTQ act-order ones
+(``g_idx`` in the checkpoint) and a rotated one (``--rotate``: untied head, unit norms), then each reader loads it
 and decodes 16 greedy tokens for a few prompts with the top-5 log-probabilities of each token:
 
 * turbo (the reference row), bfloat16;
@@ -30,8 +31,20 @@ from pathlib import Path
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
            "The three primary colors are"]
 N_NEW = 16
-VARIANTS = [("awq", False), ("awq", True), ("gptq", True), ("gptq", False), ("compressed-tensors", False),
-            ("compressed-tensors", True)]
+# (row name, lite command-line arguments after the model); every row is g64 and calibrates (if at all) on the bundled
+# C4 sample; act-order rows use 16 calibration samples (what is tested is the packing and g_idx, not the method)
+VARIANTS = [
+    ("awq asym", ["rtn", "--format", "awq", "--w-asym"]),
+    ("awq sym", ["rtn", "--format", "awq", "--w-sym"]),
+    ("gptq sym", ["rtn", "--format", "gptq", "--w-sym"]),
+    ("gptq asym", ["rtn", "--format", "gptq", "--w-asym"]),
+    ("compressed-tensors asym", ["rtn", "--format", "compressed-tensors", "--w-asym"]),
+    ("compressed-tensors sym", ["rtn", "--format", "compressed-tensors", "--w-sym"]),
+    ("gptq sym act-order", ["gptq", "--act-order", "--calib-samples", "16"]),
+    ("compressed-tensors asym act-order", ["gptq", "--act-order", "--calib-samples", "16", "--format",
+                                           "compressed-tensors", "--w-asym"]),
+    ("awq asym rotated", ["rtn", "--rotate"]),
+]
 
 _VLLM_CHILD = r"""
 import json, os, sys
@@ -118,21 +131,22 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from lite.formats import resolve_model
-    from lite.pipeline import PipelineConfig, quantize_model
 
     work = Path(args.work or tempfile.mkdtemp(prefix="lt-compat-"))
     tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     readers = args.readers.split(",")
     rows = []
-    for fmt, sym in VARIANTS:
-        out = work / f"{fmt}-{'sym' if sym else 'asym'}"
+    for name, lite_args in VARIANTS:
+        out = work / name.replace(" ", "-")
+        cmd = ["liteturbo", "lite", lite_args[0], args.model, *lite_args[1:], "--w-group-size", "64"]
         if not (out / "config.json").is_file():
-            quantize_model(args.model, PipelineConfig(method="rtn", w_group_size=64, w_sym=sym, out_format=fmt,
-                                                      device="cpu"), str(out), overwrite=True)
+            p = subprocess.run([sys.executable, "-m", "turbo.cli", *cmd[1:], "--work-dir", str(out), "--overwrite"],
+                               capture_output=True, text=True)
+            if p.returncode != 0:
+                sys.exit(f"failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
         ref = turbo_rows(str(out), prompts)
-        row = {"format": fmt, "sym": sym, "command": f"liteturbo lite rtn {args.model} --w-group-size 64 --format "
-                                                      f"{fmt} {'--w-sym' if sym else '--w-asym'}"}
+        row = {"variant": name, "command": " ".join(cmd)}
         if "vllm" in readers:
             row["vllm"] = (compare(ref, vllm_rows(str(out), prompts)) if importlib.util.find_spec("vllm")
                            else {"loads": None, "error": "vllm not importable here"})
@@ -144,17 +158,16 @@ def main() -> None:
         print(json.dumps(rows))
         return
     n = len(PROMPTS)
-    print("| format | symmetry | reader | loads | same 16 tokens | same first token | max first-token logprob diff |")
-    print("| --- | --- | --- | --- | ---: | ---: | ---: |")
+    print("| checkpoint | reader | loads | same 16 tokens | same first token | max first-token logprob diff |")
+    print("| --- | --- | --- | ---: | ---: | ---: |")
     for r in rows:
         for reader in readers:
             c = r.get(reader, {})
-            sym = "symmetric" if r["sym"] else "zero point"
             if c.get("loads"):
-                print(f"| {r['format']} | {sym} | {reader} | yes | {c['same_tokens']}/{n} | {c['first_token_same']}/{n}"
+                print(f"| {r['variant']} | {reader} | yes | {c['same_tokens']}/{n} | {c['first_token_same']}/{n}"
                       f" | {c['max_first_logprob_diff']} |")
             else:
-                print(f"| {r['format']} | {sym} | {reader} | no: {c.get('error', '')} | | | |")
+                print(f"| {r['variant']} | {reader} | no: {c.get('error', '')} | | | |")
 
 
 if __name__ == "__main__":

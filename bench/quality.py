@@ -34,8 +34,8 @@ RECIPES = {
                                "compressed-tensors"],
     "awq-gptq-act-order-noclip": ["auto-awq", "--rounding", "gptq", "--act-order", "--no-clip", "--format",
                                   "compressed-tensors"],
-    "awq-gptq-act-order-tune": ["auto-awq", "--rounding", "gptq", "--act-order", "--tune-steps", "100", "--format",
-                                "compressed-tensors"],
+    "awq-gptq-act-order-mse-tune": ["auto-awq", "--rounding", "gptq", "--act-order", "--mse-scales", "--tune-steps",
+                                    "100", "--format", "compressed-tensors"],
     "rtn-rotate": ["rtn", "--rotate"],
     "awq-rotate": ["auto-awq", "--rotate"],
 }

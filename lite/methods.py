@@ -53,12 +53,15 @@ class LayerBatch:
     """The calibration inputs of one decoder layer.
 
     inputs: hidden states ``[1, L, H]`` per sample (stored in ``dtype``); kwargs: the layer's keyword arguments
-    per sample (rotary embeddings, mask); dtype: the compute dtype of forwards (autocast when not float32).
+    per sample (rotary embeddings, mask); dtype: the compute dtype of forwards (autocast when not float32);
+    targets: the float model's outputs of this layer for the leading samples (the float trajectory: float layers
+    all the way from the embeddings), what block-wise tuning fits; ``None`` = the float layer on ``inputs``.
     """
 
     inputs: list[torch.Tensor]
     kwargs: list[dict]
     dtype: torch.dtype = torch.float32
+    targets: list[torch.Tensor] | None = None
 
     def autocast(self):
         """Context in which forwards run in the compute dtype."""
@@ -175,9 +178,12 @@ class QuantMethod:
             return self.quantize_layer(layer, batch)
         from .tune import tune_layer
 
-        n = batch.loss_samples(cfg.loss_tokens)
+        targets = batch.targets
+        if targets is None:
+            targets = LayerBatch(batch.inputs[:batch.loss_samples(cfg.loss_tokens)], batch.kwargs,
+                                 batch.dtype).run(layer)
+        n = len(targets)
         head = LayerBatch(batch.inputs[:n], batch.kwargs[:n], batch.dtype)
-        targets = head.run(layer)
         qws = self.quantize_layer(layer, batch)
         qws, before, after = tune_layer(layer, qws, head.inputs, head.kwargs, targets, cfg.tune_steps,
                                         dtype=batch.dtype)

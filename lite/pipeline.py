@@ -6,7 +6,9 @@
 2. The inputs of decoder layer 0 are captured for every calibration sample.
 3. For each decoder layer: load it onto ``device`` in float32, gather statistics, quantize it, write its
    tensors to ``<work_dir>.partial/layer_NNNN.safetensors`` (atomic), put the *dequantized* weights back and
-   run it to produce the next layer's inputs (so later layers see the quantization error), free it.
+   run it to produce the next layer's inputs (so later layers see the quantization error), free it. With
+   block-wise tuning the float layer also runs on the float model's own hidden states for the tuning samples
+   (the float trajectory), whose outputs are the tuning targets.
 4. When every layer is done, the checkpoint is assembled in a temporary folder and renamed to ``work_dir``.
 
 ``resume=True`` reuses the finished layer files of an interrupted run with the same options; the finished
@@ -51,8 +53,9 @@ class PipelineConfig:
     error-compensating rounding on the scaled inputs). mse_scales: group scales/zero points by the smallest
     rounding error over shrunk ranges (RTN and GPTQ rounding). rotate: fold a random rotation of the residual stream
     into the weights first (:mod:`lite.rotation`; seeded by ``seed``; unties a tied head). tune_steps: steps of
-    block-wise tuning of rounding and scales after the method (:mod:`lite.tune`; 0 = off). device: cpu | cuda | auto. compute_dtype: auto |
-    bfloat16 | float32 (the calibration forwards; solvers always run in float32).
+    block-wise tuning of rounding and scales after the method (:mod:`lite.tune`; 0 = off; each layer is fitted to
+    the float model's outputs on the first ``loss_tokens`` calibration tokens). device: cpu | cuda | auto.
+    compute_dtype: auto | bfloat16 | float32 (the calibration forwards; solvers always run in float32).
     """
 
     method: str = "awq"
@@ -471,9 +474,18 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
     bar = tqdm(range(n_layers), desc=f"{cfg.method} W{cfg.w_bits}A16 g{cfg.w_group_size} ({n_tok} calib tokens)",
                unit="layer")
     reused, notes = 0, []
+    # tuning fits each layer to the float model's trajectory: keep its inputs for the tuning samples
+    reference = None
+    if cfg.tune_steps > 0 and batch.inputs:
+        n_ref = batch.loss_samples(cfg.loss_tokens)
+        reference = LayerBatch([x.clone() for x in batch.inputs[:n_ref]], kws[:n_ref], cdtype)
     for i in bar:
         layer = lazy.layers[i]
         lazy.materialize(layer, f"model.layers.{i}")
+        if rotation is not None:
+            rotation.fold_layer(layer)
+        if reference is not None:
+            batch.targets = reference.run(layer)  # the float layer on the float trajectory
         f = partial / f"layer_{i:04d}.safetensors"
         notes_file = partial / f"layer_{i:04d}.json"
         if f.is_file():
@@ -482,8 +494,6 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
                 notes += json.loads(notes_file.read_text())
             reused += 1
         else:
-            if rotation is not None:
-                rotation.fold_layer(layer)
             method.layer_index, method.notes = i, []
             method.fold_dtypes = {n.rsplit(".", 1)[0]: dtypes.get(f"model.layers.{i}.{n}", torch.float16)
                                   for n, _ in layer.named_parameters()}
@@ -495,6 +505,8 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
             save_file(tensors, str(tmp))
             os.replace(tmp, f)
         _load_layer_tensors(layer, i, tensors, cfg)
+        if reference is not None:
+            reference.inputs, batch.targets = batch.targets, None
         if i + 1 < n_layers and method.calibrated:
             batch.inputs = batch.run(layer)
         lazy.release(layer)

@@ -1,13 +1,15 @@
-"""Block-wise tuning of a quantized decoder layer: learned rounding and group scales against the float layer's output.
+"""Block-wise tuning of a quantized decoder layer: learned rounding and group scales against the float model's output.
 
 In the spirit of AutoRound (Cheng et al. 2023, "Optimize Weight Rounding via Signed Gradient Descent", Sec. 3): for
 every quantized linear of one decoder layer, starting from the codes ``q0`` and scales ``s`` another method chose
 (RTN, AWQ, GPTQ), learn a rounding offset ``V ∈ [-1, 1]`` per weight and a log-scale ``δ`` per group so that
 
-    minimise_{V, δ}  || f(X; W(V, δ)) − f(X; W_float) ||²,    W(V, δ) = (clamp(q0 + round(V), 0, 2^b − 1) − z) · s·e^δ
+    minimise_{V, δ}  || f(X; W(V, δ)) − Y ||²,    W(V, δ) = (clamp(q0 + round(V), 0, 2^b − 1) − z) · s·e^δ
 
 where ``f`` is the whole decoder layer (attention and MLP together, so errors of one linear can be compensated by
-the others), ``X`` the layer's calibration inputs and ``round`` passes its gradient straight through. Optimiser:
+the others), ``X`` the layer's calibration inputs (through the already quantized layers before it), ``Y`` the
+float model's outputs of this layer (float layers all the way from the embeddings, as AutoRound's targets, so the
+layer also makes up for error that earlier layers left) and ``round`` passes its gradient straight through. Optimiser:
 Adam on mini-batches of samples (AutoRound uses signed SGD; Adam converged faster here). The zero points and the
 grouping stay; the result is written in the same format. A tuned layer is kept only if its loss on the tuning
 samples is lower than before.

@@ -283,3 +283,40 @@ def test_block_tuning_lowers_the_layer_error_and_keeps_the_format():
     out = LayerBatch(inputs, kwargs).run(layer)
     got = sum(float((o - t).pow(2).mean()) for o, t in zip(out, targets)) / len(out)
     assert got == pytest.approx(after, rel=0.05)
+
+
+def test_tuning_fits_the_float_trajectory_and_resumes_identically(tmp_path, smollm2_path, monkeypatch):
+    """--tune-steps: each layer is fitted to the float model's own outputs (float layers all the way from the
+    embeddings, AutoRound's targets), not to the float layer on inputs that already carry earlier layers' error;
+    an interrupted tuned run resumes to the same checkpoint (the float trajectory advances through reused layers)."""
+    import lite.tune
+
+    src = _save_tiny(tmp_path / "src", smollm2_path)
+    cfg = PipelineConfig(method="awq", tune_steps=3, compute_dtype="float32", **OPTS)
+    seen, real = [], lite.tune.tune_layer
+
+    def spy(layer, qws, inputs, kwargs, targets, *a, **kw):
+        seen.append(([x.clone() for x in inputs], kwargs, [t.clone() for t in targets]))
+        return real(layer, qws, inputs, kwargs, targets, *a, **kw)
+
+    monkeypatch.setattr(lite.tune, "tune_layer", spy)
+    whole = quantize_model(str(src), cfg, str(tmp_path / "whole"))
+    assert len(seen) == 2
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    (in0, kw0, t0), (in1, kw1, t1) = seen
+    with torch.no_grad():
+        float0 = [hf.model.layers[0](x, **k) for x, k in zip(in0, kw0)]
+        float1 = [hf.model.layers[1](t, **k) for t, k in zip(t0, kw1)]
+        float1_on_quantized = [hf.model.layers[1](x, **k) for x, k in zip(in1, kw1)]
+    for got, want in zip(t0 + t1, float0 + float1):
+        want = want[0] if isinstance(want, tuple) else want
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    # layer 1's inputs went through the quantized layer 0, so fitting the float layer on them would differ
+    off = max(float((t - (f[0] if isinstance(f, tuple) else f)).abs().max()) for t, f in zip(t1, float1_on_quantized))
+    assert off > 1e-3
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(str(src), cfg, str(tmp_path / "r"), stop_after_layers=1)
+    out = quantize_model(str(src), cfg, str(tmp_path / "r"), resume=True)
+    assert json.loads((out / "liteturbo_quantize.json").read_text())["reused_layers"] == 1
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(whole / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
