@@ -97,9 +97,9 @@ class PipelineConfig:
         if self.w_sym is None:
             self.w_sym = fmt.default_sym
         uses_gptq = self.method == "gptq" or (self.method == "awq" and self.awq_rounding == "gptq")
-        if (self.act_order or self.static_groups) and not uses_gptq:
-            raise LiteturboError("--act-order and --static-groups order GPTQ's rounding; use them with `lite gptq` or "
-                                 "`lite auto-awq --rounding gptq`")
+        if (self.act_order or self.static_groups or self.damp_percent != type(self).damp_percent) and not uses_gptq:
+            raise LiteturboError("--act-order, --static-groups and --damp-percent set GPTQ's rounding; use them with "
+                                 "`lite gptq` or `lite auto-awq --rounding gptq`")
         if self.static_groups and not self.act_order:
             raise LiteturboError("--static-groups only matters with --act-order")
         fmt.check(self.format_options())

@@ -71,6 +71,13 @@ def test_act_order_options_are_checked_against_method_and_format():
     PipelineConfig(method="awq", awq_rounding="gptq", act_order=True, static_groups=True)
     with pytest.raises(LiteturboError, match="only matters with --act-order"):
         PipelineConfig(method="gptq", static_groups=True)
+    # the GPTQ options are the same for `gptq` and `auto-awq --rounding gptq`
+    for cmd in (["gptq"], ["auto-awq"]):
+        out = CliRunner().invoke(main, ["lite", *cmd, "--help"]).output
+        assert all(o in out for o in ("--act-order", "--static-groups", "--damp-percent")), cmd
+    PipelineConfig(method="awq", awq_rounding="gptq", damp_percent=0.1)
+    with pytest.raises(LiteturboError, match="--damp-percent set GPTQ's rounding"):
+        PipelineConfig(method="awq", damp_percent=0.1)
 
 
 def test_rtn_writes_each_format_and_resumes(tmp_path, smollm2_path):

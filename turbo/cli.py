@@ -170,12 +170,14 @@ def _calib_options(fn):
 
 
 def _order_options(fn):
-    """GPTQ column-order options (``gptq`` and ``auto-awq --rounding gptq``)."""
+    """GPTQ rounding options (``gptq`` and ``auto-awq --rounding gptq``): column order and dampening."""
     opts = [
         click.option("--act-order/--no-act-order", default=False, show_default=True,
                      help="Quantize columns by descending Hessian diagonal (desc_act; writes g_idx)."),
         click.option("--static-groups", is_flag=True,
                      help="With --act-order: groups fixed before reordering (no g_idx needed: any --format)."),
+        click.option("--damp-percent", default=0.01, show_default=True,
+                     help="GPTQ dampening added to diag(H), fraction of its mean."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -207,7 +209,7 @@ def rtn(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, w
 @friendly_errors
 def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
              mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, n_grid, no_clip, rounding, act_order,
-             static_groups) -> None:
+             static_groups, damp_percent) -> None:
     """AWQ W4A16 (Lin et al. 2024): activation-aware scales and clipping, layer by layer."""
     from lite.pipeline import PipelineConfig, quantize_model
 
@@ -215,7 +217,7 @@ def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dty
                          calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                          seed=seed, device=device, compute_dtype=compute_dtype, n_grid=n_grid, clip=not no_clip,
                          awq_rounding=rounding, act_order=act_order, static_groups=static_groups,
-                         mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps)
+                         damp_percent=damp_percent, mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 
@@ -223,7 +225,6 @@ def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dty
 @click.argument("model", required=False, default=DEFAULT_MODEL)
 @_calib_options
 @_order_options
-@click.option("--damp-percent", default=0.01, show_default=True, help="Dampening, fraction of mean diag(H).")
 @click.option("--true-sequential/--no-true-sequential", default=True, show_default=True)
 @friendly_errors
 def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
