@@ -23,6 +23,7 @@ from pathlib import Path
 RECIPES = {
     "rtn": ["rtn"],
     "awq": ["auto-awq"],
+    "awq-tune": ["auto-awq", "--tune-steps", "100"],
     "gptq": ["gptq"],
     "gptq-asym": ["gptq", "--w-asym", "--format", "compressed-tensors"],
     "gptq-act-order": ["gptq", "--act-order"],
@@ -30,6 +31,8 @@ RECIPES = {
     "awq-gptq": ["auto-awq", "--rounding", "gptq"],
     "awq-gptq-act-order": ["auto-awq", "--rounding", "gptq", "--act-order", "--format", "compressed-tensors"],
     "awq-gptq-act-order-static": ["auto-awq", "--rounding", "gptq", "--act-order", "--static-groups"],
+    "awq-gptq-act-order-damp10": ["auto-awq", "--rounding", "gptq", "--act-order", "--damp-percent", "0.1", "--format",
+                                  "compressed-tensors"],
     "awq-gptq-act-order-mse": ["auto-awq", "--rounding", "gptq", "--act-order", "--mse-scales", "--format",
                                "compressed-tensors"],
     "awq-gptq-act-order-noclip": ["auto-awq", "--rounding", "gptq", "--act-order", "--no-clip", "--format",
