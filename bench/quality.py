@@ -22,8 +22,10 @@ from pathlib import Path
 # name -> lite arguments after the model (all calibrate on c4, 128 x 512 tokens, seed 42: the defaults)
 RECIPES = {
     "rtn": ["rtn"],
+    "rtn-sym": ["rtn", "--w-sym"],
     "awq": ["auto-awq"],
     "awq-tune": ["auto-awq", "--tune-steps", "100"],
+    "awq-tune200": ["auto-awq", "--tune-steps", "200"],
     "gptq": ["gptq"],
     "gptq-asym": ["gptq", "--w-asym", "--format", "compressed-tensors"],
     "gptq-act-order": ["gptq", "--act-order"],
