@@ -43,6 +43,11 @@ VARIANTS = [
     ("gptq sym act-order", ["gptq", "--act-order", "--calib-samples", "16"]),
     ("compressed-tensors asym act-order", ["gptq", "--act-order", "--calib-samples", "16", "--format",
                                            "compressed-tensors", "--w-asym"]),
+    ("gptq sym act-order static", ["gptq", "--act-order", "--static-groups", "--calib-samples", "16"]),
+    ("compressed-tensors asym act-order static", ["gptq", "--act-order", "--static-groups", "--calib-samples", "16",
+                                                  "--format", "compressed-tensors", "--w-asym"]),
+    ("awq asym act-order static", ["auto-awq", "--rounding", "gptq", "--act-order", "--static-groups",
+                                   "--calib-samples", "16"]),
     ("awq asym rotated", ["rtn", "--rotate"]),
 ]
 
@@ -103,8 +108,15 @@ def transformers_rows(path: str, prompts: list[list[int]]) -> list[dict] | str:
 
 
 def _first_error(stderr: str) -> str:
-    lines = [ln for ln in stderr.splitlines() if "Error" in ln or "Unsupported" in ln or "not supported" in ln]
-    return (lines[-1] if lines else stderr.strip().splitlines()[-1] if stderr.strip() else "no output")[:240]
+    """The line of a failed load that names the problem: a validation message (pydantic prints it under the
+    exception's own line), else the last line that mentions an error."""
+    lines = stderr.splitlines()
+    for key in ("Value error", "Unsupported", "not supported"):
+        hits = [ln.strip() for ln in lines if key in ln]
+        if hits:
+            return hits[-1][:240]
+    errs = [ln for ln in lines if "Error" in ln]
+    return (errs[-1] if errs else lines[-1] if lines else "no output")[:240]
 
 
 def compare(ref: list[dict], got: list[dict] | str) -> dict:
@@ -124,6 +136,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--readers", default="vllm,transformers")
     ap.add_argument("--work", default=None, help="folder for the checkpoints (default: a temporary one)")
+    ap.add_argument("--variants", default=None, help="comma-separated row names to run (default: all)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     import importlib.util
@@ -137,7 +150,13 @@ def main() -> None:
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     readers = args.readers.split(",")
     rows = []
+    chosen = args.variants.split(",") if args.variants else [v for v, _ in VARIANTS]
+    unknown = set(chosen) - {v for v, _ in VARIANTS}
+    if unknown:
+        sys.exit(f"unknown variants {sorted(unknown)}; known: {', '.join(v for v, _ in VARIANTS)}")
     for name, lite_args in VARIANTS:
+        if name not in chosen:
+            continue
         out = work / name.replace(" ", "-")
         cmd = ["liteturbo", "lite", lite_args[0], args.model, *lite_args[1:], "--w-group-size", "64"]
         if not (out / "config.json").is_file():

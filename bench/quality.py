@@ -41,6 +41,8 @@ RECIPES = {
                                   "compressed-tensors"],
     "awq-gptq-act-order-mse-tune": ["auto-awq", "--rounding", "gptq", "--act-order", "--mse-scales", "--tune-steps",
                                     "100", "--format", "compressed-tensors"],
+    "awq-gptq-act-order-static-mse-tune": ["auto-awq", "--rounding", "gptq", "--act-order", "--static-groups",
+                                           "--mse-scales", "--tune-steps", "100"],
     "rtn-rotate": ["rtn", "--rotate"],
     "awq-rotate": ["auto-awq", "--rotate"],
 }

@@ -23,6 +23,7 @@ import resource
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,6 +104,9 @@ class PipelineConfig:
         if self.static_groups and not self.act_order:
             raise LiteturboError("--static-groups only matters with --act-order")
         fmt.check(self.format_options())
+        if self.act_order and not self.static_groups:
+            warnings.warn("--act-order without --static-groups writes a g_idx (desc_act / actorder=group): turbo, "
+                          "transformers and GPTQModel read it, vLLM 0.32 refuses it; add --static-groups for vLLM")
         if not 0 < self.damp_percent < 1:
             raise LiteturboError(f"--damp-percent must be in (0, 1), got {self.damp_percent}")
         if self.awq_rounding not in ("rtn", "gptq"):

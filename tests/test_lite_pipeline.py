@@ -62,6 +62,24 @@ def test_format_defaults_are_what_readers_load():
         PipelineConfig(out_format="marlin")
 
 
+def test_act_order_checkpoints_say_what_vllm_needs():
+    """vLLM 0.32 refuses GPTQ desc_act=True and compressed-tensors actorder=group (a g_idx); static groups store
+    the contiguous grouping and say so, and a g_idx run warns who reads it."""
+    def qc(fmt, static):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = PipelineConfig(method="gptq", act_order=True, static_groups=static, out_format=fmt)
+        warned = any("vLLM 0.32 refuses it" in str(w.message) for w in caught)
+        return weight_format(fmt).config(cfg.format_options()), warned
+
+    (g, warned), (gs, quiet) = qc("gptq", False), qc("gptq", True)
+    assert g["desc_act"] is True and warned and gs["desc_act"] is False and gs["static_groups"] is True
+    assert not quiet
+    (c, _), (cs, _) = qc("compressed-tensors", False), qc("compressed-tensors", True)
+    wq = lambda q: next(iter(q["config_groups"].values()))["weights"]  # noqa: E731
+    assert wq(c)["actorder"] == "group" and wq(cs)["actorder"] == "static"
+
+
 def test_act_order_options_are_checked_against_method_and_format():
     with pytest.raises(LiteturboError, match="use them with `lite gptq` or `lite auto-awq --rounding gptq`"):
         PipelineConfig(method="awq", act_order=True)

@@ -124,7 +124,10 @@ class GptqFormat(WeightFormat):
                            sym, self.checkpoint_format, bias)
 
     def config(self, opts):
-        return gptq_quantization_config(opts.bits, opts.group_size, opts.sym, opts.act_order, opts.static_groups,
+        # desc_act says the stored g_idx is not the contiguous one; with static groups it is (the act-order only
+        # changed the rounding order), and vLLM 0.32 refuses desc_act=True
+        desc_act = opts.act_order and not opts.static_groups
+        return gptq_quantization_config(opts.bits, opts.group_size, opts.sym, desc_act, opts.static_groups,
                                         opts.damp_percent, opts.true_sequential, self.checkpoint_format)
 
     def extra_files(self, qc):
