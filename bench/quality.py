@@ -25,7 +25,6 @@ RECIPES = {
     "rtn-sym": ["rtn", "--w-sym"],
     "awq": ["auto-awq"],
     "awq-tune": ["auto-awq", "--tune-steps", "100"],
-    "awq-tune200": ["auto-awq", "--tune-steps", "200"],
     "gptq": ["gptq"],
     "gptq-asym": ["gptq", "--w-asym", "--format", "compressed-tensors"],
     "gptq-act-order": ["gptq", "--act-order"],
