@@ -55,7 +55,7 @@ class LayerBatch:
     inputs: hidden states ``[1, L, H]`` per sample (stored in ``dtype``); kwargs: the layer's keyword arguments
     per sample (rotary embeddings, mask); dtype: the compute dtype of forwards (autocast when not float32);
     targets: the float model's outputs of this layer for the leading samples (the float trajectory: float layers
-    all the way from the embeddings), what block-wise tuning fits; ``None`` = the float layer on ``inputs``.
+    all the way from the embeddings), what block-wise tuning fits (required when tuning).
     """
 
     inputs: list[torch.Tensor]
@@ -171,8 +171,9 @@ class QuantMethod:
         self.calibrated = type(self).calibrated or cfg.tune_steps > 0
 
     def run(self, layer: torch.nn.Module, batch: LayerBatch) -> dict[str, QuantizedWeight]:
-        """:meth:`quantize_layer`, then (``tune_steps > 0``) the block-wise tuning of :mod:`lite.tune` against the
-        float layer's outputs on the first ``loss_tokens`` calibration tokens."""
+        """:meth:`quantize_layer`, then (``tune_steps > 0``) the block-wise tuning of :mod:`lite.tune` against
+        ``batch.targets`` (the float model's outputs of this layer for the leading calibration samples). Raises
+        ``ValueError`` when tuning without targets."""
         cfg = self.cfg
         if cfg.tune_steps <= 0:
             return self.quantize_layer(layer, batch)
@@ -180,8 +181,8 @@ class QuantMethod:
 
         targets = batch.targets
         if targets is None:
-            targets = LayerBatch(batch.inputs[:batch.loss_samples(cfg.loss_tokens)], batch.kwargs,
-                                 batch.dtype).run(layer)
+            raise ValueError("block-wise tuning needs batch.targets: the float model's outputs of this layer "
+                             "(lite.pipeline sets them from the float trajectory)")
         n = len(targets)
         head = LayerBatch(batch.inputs[:n], batch.kwargs[:n], batch.dtype)
         qws = self.quantize_layer(layer, batch)
