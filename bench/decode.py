@@ -89,7 +89,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from lite.formats import resolve_model
-    from turbo.inputs import chat_template_ids
+    from turbo.core.inputs import chat_template_ids
 
     path = resolve_model(args.model)
     w4, _tmp = w4a16_checkpoint(str(path), args.group_size, args.w4a16)

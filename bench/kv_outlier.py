@@ -37,7 +37,7 @@ def main() -> None:
     import calib_data
     from lite.kv_calibration import KVCalibConfig, calibrate_kv
     from turbo import Engine
-    from turbo.engine import StepInput
+    from turbo.core.request import StepInput
 
     tmp = tempfile.TemporaryDirectory()
     src = build_key_outlier_model(Path(tmp.name) / "outlier")

@@ -195,10 +195,10 @@ class _WholeLoad:
 
     def __enter__(self):
         import lite.formats
-        import turbo.model
+        import turbo.core.model
         from lite.formats import load_state_dict
 
-        self.saved = (lite.formats.LazyStateDict, turbo.model.load_quantized_linears)
+        self.saved = (lite.formats.LazyStateDict, turbo.core.model.load_quantized_linears)
         real_unpack = self.saved[1]
         unpacked: dict = {}
 
@@ -217,14 +217,14 @@ class _WholeLoad:
             return {k: qws.pop(k) for k in [k for k in qws if k.startswith(prefix)]}
 
         lite.formats.LazyStateDict = WholeStateDict
-        turbo.model.load_quantized_linears = unpack_all_first
+        turbo.core.model.load_quantized_linears = unpack_all_first
         return self
 
     def __exit__(self, *exc) -> None:
         import lite.formats
-        import turbo.model
+        import turbo.core.model
 
-        lite.formats.LazyStateDict, turbo.model.load_quantized_linears = self.saved
+        lite.formats.LazyStateDict, turbo.core.model.load_quantized_linears = self.saved
 
 
 def measure(path: str, mode: str, device: str, dtype_name: str, backend_name: str) -> dict:
@@ -233,7 +233,7 @@ def measure(path: str, mode: str, device: str, dtype_name: str, backend_name: st
 
     from backends import get_backend
     from lite.formats import LazyStateDict, load_config, resolve_model
-    from turbo.model import LlamaModel
+    from turbo.core.model import LlamaModel
 
     ckpt = resolve_model(path)
     dtype = getattr(torch, dtype_name)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lite.memory import quantize_peak  # noqa: E402
-from turbo import planner  # noqa: E402
+from turbo import plan as planner  # noqa: E402
 
 MODELS = [("Llama-3-8B", "llama-3-8b"), ("Qwen2.5-7B", "qwen2.5-7b"), ("Qwen2.5-14B", "qwen2.5-14b"),
           ("Qwen2.5-32B", "qwen2.5-32b"), ("Llama-3-70B", "llama-3-70b")]

@@ -23,8 +23,9 @@ def run_turbo_logits(model, token_chunks: list[list[int]], block_size: int = 4, 
     """Feed ``token_chunks`` one step each through a turbo model; return float32 logits of every token.
     ``kv_dtype``: KV cache storage (default: the model's dtype)."""
     from backends import KVCacheSpec
-    from turbo.block_manager import BlockManager
-    from turbo.engine import ModelRunner, StepInput
+    from turbo.core.block_manager import BlockManager
+    from turbo.core.runner import ModelRunner
+    from turbo.core.request import StepInput
 
     bm = BlockManager(num_blocks, block_size)
     # scatter the sequence over non-adjacent blocks to exercise the block table

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from turbo.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from turbo.core.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 from backends.types import QuantizedWeight
 from lite.formats import LiteturboError, pack_awq, unpack_awq
 from lite.formats.awq import AWQ_ORDER, pack_awq_int32, unpack_awq_int32
-from turbo.block_manager import BlockManager, OutOfBlocks
+from turbo.core.block_manager import BlockManager, OutOfBlocks
 
 
 # ------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from lite.formats.compressed_tensors import compressed_quantization_config, pack
 from lite.formats.gptq import gptq_quantization_config, pack_gptq, unpack_gptq
 from lite.formats.packing import pack_int32, unpack_int32
 from lite.formats.quantized import QuantSpec
-from turbo.model import LlamaModel
+from turbo.core.model import LlamaModel
 
 from conftest import run_turbo_logits
 
@@ -393,7 +393,7 @@ def test_act_order_qkv_with_different_g_idx_is_liteturbo_error_or_loads(tmp_path
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
                                      "sym": False, "checkpoint_format": "gptq"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    from turbo.model import ConcatLinear
+    from turbo.core.model import ConcatLinear
 
     model = LlamaModel.from_pretrained(tmp_path, get_backend("torch"), torch.float32)
     assert isinstance(model.layers[0].qkv, ConcatLinear)  # different g_idx: kept apart, not fused

@@ -11,7 +11,7 @@ from backends import KVCacheSpec, KVQuantParams, get_backend
 from backends.kv_cache import pack_int4, quantize_per_token, unpack_int4
 from lite.formats import LiteturboError
 from turbo import Engine, EngineConfig
-from turbo.model import LlamaModel
+from turbo.core.model import LlamaModel
 
 from conftest import kv_dequant_ref_f64, run_turbo_logits
 from tiny_models import build_key_outlier_model
@@ -196,7 +196,7 @@ def test_calibrate_kv_on_outlier_keys_beats_online_int4_and_refuses_bad_params(t
     assert engines["cal"].stats()["kv_calibrated"] and not engines["online"].stats()["kv_calibrated"]
 
     def logprobs(e):
-        from turbo.engine import StepInput  # the engine's paged path, as eval-ppl uses it
+        from turbo.core.request import StepInput  # the engine's paged path, as eval-ppl uses it
 
         bm, table = e.block_manager, []
         bm.ensure_capacity(table, len(ids))

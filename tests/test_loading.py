@@ -19,7 +19,7 @@ from backends.types import QuantizedWeight
 from lite.formats import LazyStateDict, LiteturboError, awq_quantization_config, load_state_dict, pack_awq
 from lite.formats.compressed_tensors import compressed_quantization_config, pack_compressed
 from lite.formats.gptq import gptq_quantization_config, pack_gptq
-from turbo.model import LlamaModel
+from turbo.core.model import LlamaModel
 
 from conftest import run_turbo_logits
 

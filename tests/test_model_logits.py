@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from backends import get_backend
-from turbo.model import LlamaModel
+from turbo.core.model import LlamaModel
 
 from conftest import run_turbo_logits
 

@@ -1,7 +1,7 @@
 """The memory planner against the bytes the engine really allocates, and the engine's start-up refusals.
 
 Weights and KV figures of :mod:`turbo.planner` must equal the tensors the engine holds (counted from the tensors
-themselves by :meth:`turbo.model.LlamaModel.memory_breakdown` and :attr:`PagedKVCache.nbytes`) for SmolLM2 and for
+themselves by :meth:`turbo.core.model.LlamaModel.memory_breakdown` and :attr:`PagedKVCache.nbytes`) for SmolLM2 and for
 tiny models of each family, per backend layout and KV dtype; pool sizing must shrink (never grow) with a larger
 prefill chunk and with memory already in use; configurations that cannot fit are refused with the shortfall.
 """
@@ -22,9 +22,10 @@ from backends import Backend, LinearSpec, QuantizedWeight, TorchBackend, backend
 from backends.platform import Platform
 from lite.formats import LiteturboError, load_config
 from lite.memory import quantize_peak
-from turbo import Engine, EngineConfig, planner
+from turbo import Engine, EngineConfig
+from turbo import plan as planner
 from turbo.cli import main
-from turbo.model import ModelConfig, storage_nbytes as _nbytes
+from turbo.core.model import ModelConfig, storage_nbytes as _nbytes
 
 from conftest import usable_backends
 from tiny_models import save_word_tokenizer
@@ -224,7 +225,7 @@ def test_pool_that_cannot_fit_is_refused_with_the_shortfall(smollm2_rtn_g64, mon
 
 def test_weights_that_cannot_fit_are_refused_before_loading(smollm2_rtn_g64, monkeypatch):
     _fake_free(monkeypatch, 100 * 2**20)
-    from turbo.model import LlamaModel
+    from turbo.core.model import LlamaModel
 
     def never(*a, **k):
         raise AssertionError("weights were read before the refusal")

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-import turbo.engine as engine_mod
+import turbo.core.engine as engine_mod
 from lite.formats import LiteturboError
 from turbo import Engine, EngineConfig, GenerationConfig
 

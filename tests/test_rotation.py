@@ -15,7 +15,7 @@ from conftest import run_turbo_logits
 from lite.formats import load_config, load_quantized_linears, load_state_dict, quantization_spec
 from lite.pipeline import PipelineConfig, quantize_model
 from lite.rotation import ResidualRotation, random_rotation
-from turbo.model import LlamaModel
+from turbo.core.model import LlamaModel
 
 CASES = {
     "llama-tied-hadamard": (transformers.LlamaConfig, dict(hidden_size=64, num_key_value_heads=2,

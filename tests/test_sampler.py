@@ -8,7 +8,7 @@ import torch
 
 from lite.formats import LiteturboError
 from turbo import GenerationConfig
-from turbo.sampler import apply_penalties, sample, top_logprobs
+from turbo.core.sampler import apply_penalties, sample, top_logprobs
 
 
 def test_greedy_topk_topp_minp():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lite.formats import LiteturboError
-from turbo.sampler import RowSampling, sample_batch, top_logprobs
+from turbo.core.sampler import RowSampling, sample_batch, top_logprobs
 
 NEG = float("-inf")
 
@@ -255,7 +255,7 @@ def _run_all(engine, reqs):
 
 
 def test_engine_seeded_generation_is_the_same_alone_and_batched(tiny_engine, monkeypatch):
-    import turbo.engine as engine_mod
+    import turbo.core.engine as engine_mod
     from turbo import GenerationConfig
 
     e = tiny_engine
@@ -286,7 +286,7 @@ def test_engine_seeded_generation_is_the_same_alone_and_batched(tiny_engine, mon
 
 
 def test_engine_sampling_failure_ends_only_that_request(tiny_engine, monkeypatch):
-    import turbo.engine as engine_mod
+    import turbo.core.engine as engine_mod
     from turbo import GenerationConfig
 
     e = tiny_engine

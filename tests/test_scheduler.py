@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from turbo.block_manager import BlockManager, block_hashes
-from turbo.scheduler import Scheduler, Sequence, Status
+from turbo.core.block_manager import BlockManager, block_hashes
+from turbo.core.scheduler import Scheduler, Sequence, Status
 
 
 def _fake_step(sched: Scheduler, rng: random.Random, vocab: int = 50) -> list[Sequence]:

@@ -1,4 +1,4 @@
-"""The HTTP server (turbo/server.py) in-process on a loopback port, over the RTN W4A16 SmolLM2, driven by the official
+"""The HTTP server (turbo/serve/) in-process on a loopback port, over the RTN W4A16 SmolLM2, driven by the official
 ``openai`` client and raw httpx: results equal the engine's, streams equal non-streamed replies, every error has its
 status and the OpenAI error shape, sessions prefill only new tokens, and a client that goes away frees its blocks."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from turbo import Engine, EngineConfig, GenerationConfig
 from turbo.cli import main
-from turbo.server import UNLIKELY_LOGPROB, create_app
+from turbo.serve.app import UNLIKELY_LOGPROB, create_app
 
 from conftest import serve_in_thread
 
@@ -374,7 +374,7 @@ def test_metrics_count_requests_tokens_and_latencies(url, http):
 def test_sessions_survive_a_server_restart_with_the_same_tokens(smollm2_rtn_g64, tmp_path):
     """Three turns, the server restarted with the same session dir, a fourth turn: the same tokens as four turns
     without a restart."""
-    from turbo.session import SessionRegistry
+    from turbo.serve.sessions import SessionRegistry
 
     turns = ["Hi! My name is Ada.", "What is 2+2?", "Name a color.", "What is my name?"]
     body = {"max_tokens": 12, "temperature": 0}

@@ -1,4 +1,4 @@
-"""The web chat page (turbo/static/chat.html, served at ``GET /``) end to end in headless Chromium, over a live server
+"""The web chat page (turbo/serve/static/chat.html, served at ``GET /``) end to end in headless Chromium, over a live server
 on a loopback port with the RTN W4A16 SmolLM2: the page creates a session, streams greedy replies equal to the
 engine's, shows tokens/s and TTFT, resets to a new session, and shows the server's errors.
 
@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from turbo import Engine, EngineConfig, GenerationConfig
-from turbo.server import create_app
+from turbo.serve.app import create_app
 
 from conftest import serve_in_thread
 
@@ -310,7 +310,7 @@ def test_page_is_served_self_contained_and_packaged(url):
     r = httpx.get(f"{url}/")  # no API key needed for the page itself (its /v1 calls carry the key)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     html = r.text
-    assert html == (resources.files("turbo") / "static" / "chat.html").read_text(encoding="utf-8")
+    assert html == (resources.files("turbo.serve") / "static" / "chat.html").read_text(encoding="utf-8")
     # no external resources: no CDN scripts, styles, fonts or images
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//|@import|url\(\s*["']?(https?:)?//""", html)
     for used in ("/v1/sessions", "/v1/models", "getReader()", "[DONE]"):  # the sessions API, streamed

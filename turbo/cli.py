@@ -1,5 +1,5 @@
 """The ``liteturbo`` command line: ``liteturbo lite rtn|auto-awq|gptq|calibrate-kv|eval-ppl``, ``liteturbo chat``,
-``liteturbo serve`` (the HTTP API, :mod:`turbo.server`) and ``liteturbo env`` (hardware, versions, backends and
+``liteturbo serve`` (the HTTP API, :mod:`turbo.serve`) and ``liteturbo env`` (hardware, versions, backends and
 their op coverage)."""
 from __future__ import annotations
 
@@ -308,7 +308,7 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed)
     if url:
-        from turbo.client import RemoteSession
+        from turbo.serve.client import RemoteSession
 
         session = RemoteSession(url, system, api_key=api_key)
         click.echo(f"[liteturbo] session {session.id} on {session.url}; /reset clears the history, /exit quits",
@@ -409,7 +409,7 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_nu
     """Serve MODEL over HTTP: OpenAI-compatible /v1/chat/completions and /v1/completions (streaming or not) and
     stateful /v1/sessions (docs/serving.md)."""
     try:
-        from turbo.server import serve as run
+        from turbo.serve.app import serve as run
     except ImportError as e:
         raise LiteturboError(f"the server needs the serve extra ({e}); install it with "
                              f"pip install 'liteturbo[serve]'") from None
@@ -462,7 +462,7 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
     whether `liteturbo lite` can quantize it there (docs/deploy-24gb.md)."""
     import json as _json
 
-    from turbo import planner
+    from turbo import plan as planner
 
     if calib_samples < 1 or calib_seqlen < 1:
         raise LiteturboError(f"--calib-samples and --calib-seqlen must be >= 1, got {calib_samples} and {calib_seqlen}")

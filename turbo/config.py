@@ -226,3 +226,17 @@ class GenerationConfig:
             raise LiteturboError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise LiteturboError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def generation_config(gen: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+    """A request's :class:`GenerationConfig` from ``gen`` or keywords (not both). Raises ``LiteturboError`` for both,
+    an unknown keyword or a bad value (``gen``'s type is checked where it is used)."""
+    if gen is not None:
+        if kwargs:
+            raise LiteturboError(f"give generation options either as gen=GenerationConfig(...) or as keywords, "
+                                 f"not both (got gen and {sorted(kwargs)})")
+        return gen
+    try:
+        return GenerationConfig(**kwargs)
+    except TypeError as e:
+        raise LiteturboError(f"bad generation option: {e}") from None

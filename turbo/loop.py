@@ -3,7 +3,7 @@ their outputs from per-request queues, from any thread (sync) or any asyncio eve
 
 The model's forward never runs on the caller's thread or on an event loop, so HTTP I/O stays responsive while a
 step computes. Text pieces go out as the step produces them; the last event of a request is its
-:class:`~turbo.engine.GenerationOutput`, or the exception that ended it. A consumer that goes away cancels its
+:class:`~turbo.core.request.GenerationOutput`, or the exception that ended it. A consumer that goes away cancels its
 request, which frees its KV blocks at the loop's next turn.
 
     loop = EngineLoop(engine).start()
@@ -20,12 +20,13 @@ import queue
 import threading
 from typing import Any, Iterator
 
-from .config import GenerationConfig
-from .engine import Engine, GenerationOutput, Request, Session
 from lite.formats import LiteturboError
 
+from .config import GenerationConfig
+from .core.engine import EngineCore
+from .core.request import GenerationOutput, Request
 from .errors import InternalError, InvalidRequest, OverCapacity
-
+from .session import Session
 
 
 @contextlib.contextmanager
@@ -114,11 +115,11 @@ class RequestHandle:
 
 
 class EngineLoop:
-    """Drives one :class:`Engine` from a background thread. ``max_waiting``: requests queued beyond the running
+    """Drives one engine (:class:`~turbo.core.engine.EngineCore`) from a background thread. ``max_waiting``: requests queued beyond the running
     batch before :meth:`submit` refuses with :class:`OverCapacity` (503). ``observers``: callables given each
     finished request's :class:`GenerationOutput` on the loop thread (metrics)."""
 
-    def __init__(self, engine: Engine, max_waiting: int = 256, observers: list | None = None) -> None:
+    def __init__(self, engine: EngineCore, max_waiting: int = 256, observers: list | None = None) -> None:
         self.engine = engine
         self.observers = list(observers or [])  # called with each finished request's GenerationOutput
         self.max_waiting = max_waiting
@@ -155,7 +156,7 @@ class EngineLoop:
         """Queue a raw prompt (text or token ids). Raises ``InvalidRequest`` for a bad prompt or options (checked
         here, on the caller's thread) and ``OverCapacity`` when too many requests wait."""
         self._check_capacity()
-        with self.engine._lock, _typed():
+        with self.engine.lock, _typed():
             req = self.engine.add_request(prompt, gen or GenerationConfig(), priority=priority)
             return self._register(RequestHandle(self, req))
 
@@ -176,12 +177,12 @@ class EngineLoop:
                 on_end()
 
         handle._on_end = end
-        with self.engine._lock:
+        with self.engine.lock:
             return self._register(handle)
 
     def _check_capacity(self) -> None:
-        if len(self.engine.scheduler.waiting) >= self.max_waiting:
-            raise OverCapacity(f"{len(self.engine.scheduler.waiting)} requests are waiting (max_waiting="
+        if self.engine.num_waiting >= self.max_waiting:
+            raise OverCapacity(f"{self.engine.num_waiting} requests are waiting (max_waiting="
                                f"{self.max_waiting}); retry shortly", retry_after=1.0)
         if not self.running:
             raise InternalError("the engine loop is not running (start() it)")
@@ -235,19 +236,19 @@ class EngineLoop:
                     fn = self._calls.get_nowait()
                 except queue.Empty:
                     break
-                with eng._lock:
+                with eng.lock:
                     fn()
             if not eng.has_unfinished():
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            with eng._lock:
+            with eng.lock:
                 try:
                     eng.step()
                 except Exception:  # noqa: BLE001 - the engine finished the step's requests with the error
                     pass
                 for h in list(self._handles.values()):
                     self._deliver(h)
-        with eng._lock:  # stopping: cancel what is left so that no blocks stay allocated
+        with eng.lock:  # stopping: cancel what is left so that no blocks stay allocated
             for h in list(self._handles.values()):
                 self._cancel(h)

@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from lite.formats import LiteturboError
 
-from .engine import Engine, StepInput
+from .core.request import StepInput
+from .engine import Engine
 
 
 def window_nll(engine: Engine, ids: list[int], chunk: int = 512) -> float:

@@ -1,26 +1,29 @@
 """Stateful chat sessions: a conversation's messages, its token history and (while resident) its KV blocks.
 
-:class:`Session` runs turns on its :class:`~turbo.engine.Engine` (directly, or through
+:class:`Session` runs turns on its engine through the core's public API (directly, or through
 :class:`turbo.loop.EngineLoop` with :meth:`Session.begin_turn` / :meth:`Session.end_turn`), saves itself atomically
 with or without its KV cache, and :func:`load_session` restores one (reusing the saved KV only under the same
 weights, compute dtype and KV storage).
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-import torch
+from safetensors.torch import load_file, save_file
 
 from lite.formats import LiteturboError
 
-from .config import GenerationConfig
-from .engine import GenerationOutput, Request, _gen_config
+from .config import GenerationConfig, generation_config
+from .core.engine import EngineCore
+from .core.request import GenerationOutput, Request
 from .errors import Conflict, InvalidRequest
-from .scheduler import Sequence
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 
 class Session:
@@ -31,13 +34,13 @@ class Session:
     memory pressure an idle session's blocks are evicted; its next turn recomputes them (nothing is lost).
     """
 
-    def __init__(self, engine: Engine, system: str | None = None) -> None:
+    def __init__(self, engine: EngineCore, system: str | None = None) -> None:
         if system is not None and not isinstance(system, str):
             raise LiteturboError(f"the system prompt must be a str or None, got {type(system).__name__}")
         self.engine = engine
         self.system = system
         self.messages: list[dict] = [] if system is None else [{"role": "system", "content": system}]
-        self.seq = Sequence(seq_id=next(engine._ids))
+        self.seq = engine.new_sequence()
         self.closed = False
         self.busy = False
         self.last: GenerationOutput | None = None
@@ -57,7 +60,7 @@ class Session:
             raise LiteturboError(f"the message must be a str, got {type(message).__name__}")
         if not message.strip():
             raise LiteturboError("the message is empty: type some text")
-        gen = _gen_config(gen, kwargs)
+        gen = generation_config(gen, kwargs)
         it = self._turn(message, gen, priority)
         if stream:
             return it
@@ -73,7 +76,7 @@ class Session:
         pieces: list[str] = []                                    # started holds nothing
         out = None
         try:
-            for item in self.engine._drive(req):
+            for item in self.engine.drive(req):
                 if isinstance(item, GenerationOutput):
                     out = item
                 else:
@@ -86,7 +89,7 @@ class Session:
         """Mark the session busy and queue its next turn: the request and the conversation it answers. Whoever drives
         the request (this session's stream, or :class:`turbo.loop.EngineLoop`) must call :meth:`end_turn` after.
         Raises ``Conflict`` for a busy session, ``InvalidRequest`` for a closed one or a bad prompt."""
-        with self.engine._lock:
+        with self.engine.lock:
             if self.closed:
                 raise InvalidRequest("this session is closed; open a new one with engine.session()")
             self._check_idle()
@@ -117,9 +120,8 @@ class Session:
             # (cancelled while its prompt was computed) must not keep its prompt's blocks: drop the token history
             # and its blocks; the next turn renders ``messages`` again and recomputes (full blocks of earlier turns
             # still come from the prefix cache)
-            with self.engine._lock:
-                self.engine.scheduler.finish(self.seq)
-            self.seq = Sequence(seq_id=next(self.engine._ids))
+            self.engine.drop_sequence(self.seq)
+            self.seq = self.engine.new_sequence()
         self.last = out
         self.busy = False
 
@@ -131,12 +133,6 @@ class Session:
         needs no recompute; it is only reused by the same model weights, compute dtype and KV storage
         (an engine with another KV dtype recomputes the history, with a warning). Raises ``LiteturboError`` while a reply streams.
         """
-        import json
-        import os
-        import shutil
-        import tempfile
-
-        from safetensors.torch import save_file
 
         self._check_idle()
         path = Path(path).expanduser().absolute()
@@ -148,11 +144,10 @@ class Session:
             n = self.seq.num_computed if include_kv else 0
             meta = {"format": "liteturbo-session/1", "system": self.system, "messages": self.messages,
                     "token_ids": self.seq.token_ids, "kv_tokens": n, "model_fingerprint": self.engine.fingerprint(),
-                    "kv_storage": self.engine.runner.kv_cache.storage_key()}
+                    "kv_storage": self.engine.kv_storage}
             if n:
-                slots = torch.tensor(self.engine.block_manager.slots(self.seq.block_table, 0, n), dtype=torch.long)
                 # the stored form ([tokens, KVH, ...] per layer: 16-bit values, or int8/int4 codes and scales)
-                save_file(self.engine.runner.kv_cache.export(slots), str(tmp / "kv.safetensors"))
+                save_file(self.engine.export_kv(self.seq), str(tmp / "kv.safetensors"))
                 meta["kv_sha256"] = _sha256(tmp / "kv.safetensors")
             (tmp / "session.json").write_text(json.dumps(meta, ensure_ascii=False, indent=1))
             os.chmod(tmp, 0o755)
@@ -167,25 +162,23 @@ class Session:
     def reset(self) -> None:
         """Forget the conversation (keeps the system prompt) and free its KV blocks."""
         self._check_idle()
-        with self.engine._lock:
-            self.engine.scheduler.finish(self.seq)
-        self.seq = Sequence(seq_id=next(self.engine._ids))
+        self.engine.drop_sequence(self.seq)
+        self.seq = self.engine.new_sequence()
         self.messages = self.messages[:1] if self.system is not None else []
 
     def close(self) -> None:
         """Free the session's KV blocks; further ``chat`` calls raise. Raises ``LiteturboError`` while a reply
         streams (finish reading it, or close the stream, first)."""
         self._check_idle()
-        with self.engine._lock:
+        with self.engine.lock:
             if not self.closed:
-                self.engine.scheduler.finish(self.seq)
+                self.engine.drop_sequence(self.seq)
             self.closed = True
 
 
-def load_session(engine: "Engine", path: str | Path) -> "Session":
+def load_session(engine: EngineCore, path: str | Path) -> Session:
     """Restore into ``engine`` a session written by :meth:`Session.save`. Its KV is reloaded when it was saved by the same
     weights and dtype (else recomputed on the next turn). Raises ``LiteturboError`` for a bad folder."""
-    import json
 
     path = Path(path).expanduser()
     bad = f"{path} is not a saved liteturbo session"
@@ -203,18 +196,17 @@ def load_session(engine: "Engine", path: str | Path) -> "Session":
             for m in messages):
         raise LiteturboError(f"{bad}: 'messages' must be a list of {{'role': str, 'content': str}}")
     if not isinstance(token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.model.cfg.vocab_size
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size
             for t in token_ids):
         raise LiteturboError(f"{bad}: 'token_ids' must be a list of token ids of this model's vocabulary")
     s = Session(engine, system)
     s.messages = list(messages)
     s.seq.token_ids = list(token_ids)
     if s.seq.token_ids:
-        engine._check_prompt(s.seq.token_ids, session=True)
+        engine.check_prompt(s.seq.token_ids, session=True)
     n = meta.get("kv_tokens", 0)
     if n == 0:
         return s  # saved without KV: the next turn computes the history
-    import warnings
 
     def drop(why: str) -> "Session":
         """Warn that the saved KV is not used (``why``) and return the session, which will recompute."""
@@ -229,38 +221,23 @@ def load_session(engine: "Engine", path: str | Path) -> "Session":
         return drop("kv.safetensors is missing")
     if meta.get("model_fingerprint") != engine.fingerprint():
         return drop("it was saved by other weights or another compute dtype")
-    cache = engine.runner.kv_cache
     # sessions saved before the KV cache had a dtype of its own stored it in the compute dtype
     saved_as = meta.get("kv_storage", str(engine.dtype).removeprefix("torch."))
-    if saved_as != cache.storage_key():
-        return drop(f"it was saved as {saved_as!r} but this engine's cache is {cache.storage_key()!r}")
+    if saved_as != engine.kv_storage:
+        return drop(f"it was saved as {saved_as!r} but this engine's cache is {engine.kv_storage!r}")
     digest = meta.get("kv_sha256")
     if digest is not None and digest != _sha256(kv_file):
         return drop("kv.safetensors does not match the checksum in session.json: it was changed or damaged")
     kv = _load_session_kv(kv_file)
     if kv is None:
         return drop("kv.safetensors cannot be read")
-    with engine._lock:
-        try:
-            engine.block_manager.ensure_capacity(s.seq.block_table, n)
-        except Exception:
-            engine.block_manager.free(s.seq.block_table)
-            return drop("the KV pool has no room for it now")
-        slots = torch.tensor(engine.block_manager.slots(s.seq.block_table, 0, n), dtype=torch.long,
-                             device=engine.backend.device)
-        try:
-            cache.load(kv, slots)  # validates every tensor before writing any
-        except ValueError as e:
-            engine.block_manager.free(s.seq.block_table)
-            return drop(str(e))
-        s.seq.num_computed = n
-        engine.block_manager.register_full_blocks(s.seq.token_ids, s.seq.block_table, n)
-        engine.scheduler.finish(s.seq, keep_cache=True)
+    why = engine.import_kv(s.seq, kv, n)
+    if why is not None:
+        return drop(why)
     return s
 
 
 def _sha256(file: Path) -> str:
-    import hashlib
 
     h = hashlib.sha256()
     with open(file, "rb") as f:
@@ -271,155 +248,7 @@ def _sha256(file: Path) -> str:
 
 def _load_session_kv(file: Path) -> dict | None:
     """The saved KV tensors, or ``None`` when the file is unreadable (shapes are checked by the cache)."""
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(file))
     except Exception:
         return None
-
-
-class SessionRegistry:
-    """Sessions by id for a server, each expiring after ``idle_timeout`` seconds unused.
-
-    ``max_sessions`` caps the sessions that keep their KV cache resident: past it, the least recently used idle
-    sessions' KV blocks are evicted first (their histories stay, so their next turn recomputes them) until the
-    session expires; ``max_stored`` caps the sessions remembered at all (``OverCapacity`` when full of live ones).
-    With ``session_dir``, a session is saved there (with its KV) when its turn ends (:meth:`persist`), and
-    :meth:`restore` reloads the saved ones after a restart. Raises ``NotFound`` for an unknown id.
-    """
-
-    def __init__(self, engine: "Engine", max_sessions: int = 256, idle_timeout: float = 3600.0,
-                 session_dir: str | Path | None = None, max_stored: int | None = None) -> None:
-        import collections
-        import threading
-
-        self.engine, self.max_sessions, self.idle_timeout = engine, max_sessions, idle_timeout
-        self.max_stored = max_stored or 16 * max_sessions
-        self.session_dir = None if session_dir is None else Path(session_dir).expanduser()
-        self._sessions: "collections.OrderedDict[str, Session]" = collections.OrderedDict()  # LRU first
-        self._used: dict[str, float] = {}
-        self._lock = threading.RLock()
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def create(self, system: str | None = None) -> tuple[str, Session]:
-        """A new session and its id (``sess-`` + 24 hex characters). Raises ``OverCapacity`` when ``max_stored``
-        live sessions exist."""
-        import secrets
-
-        from .errors import OverCapacity
-
-        with self._lock:
-            self.expire()
-            if len(self._sessions) >= self.max_stored:
-                raise OverCapacity(f"{len(self._sessions)} sessions exist (max_stored={self.max_stored}); delete "
-                                   f"some or retry after they expire", retry_after=5.0)
-            self.evict_idle_kv(keep=self.max_sessions - 1)
-            sid = "sess-" + secrets.token_hex(12)
-            s = self.engine.session(system)
-            self._sessions[sid] = s
-            self._used[sid] = _now()
-            return sid, s
-
-    def get(self, sid: str) -> Session:
-        """The session ``sid`` (marked as used now). Raises ``NotFound``."""
-        from .errors import NotFound
-
-        with self._lock:
-            self.expire()
-            s = self._sessions.get(sid)
-            if s is None:
-                raise NotFound(f"no session {sid!r} (it never existed, was deleted, or expired after "
-                               f"{self.idle_timeout:.0f} s unused); create one with POST /v1/sessions")
-            self._sessions.move_to_end(sid)
-            self._used[sid] = _now()
-            return s
-
-    def delete(self, sid: str) -> None:
-        """Close and forget ``sid`` (and its saved copy). Raises ``NotFound``, ``Conflict`` while it generates."""
-        import shutil
-
-        from .errors import Conflict
-
-        with self._lock:
-            s = self.get(sid)
-            if s.busy:
-                raise Conflict(f"session {sid!r} is generating a reply; wait for it or cancel it first")
-            self._forget(sid)
-            if self.session_dir is not None:
-                shutil.rmtree(self.session_dir / sid, ignore_errors=True)
-
-    def items(self) -> list[tuple[str, Session]]:
-        """(id, session) pairs, least recently used first."""
-        with self._lock:
-            return list(self._sessions.items())
-
-    def expire(self) -> list[str]:
-        """Close and forget sessions idle longer than ``idle_timeout``; returns their ids."""
-        with self._lock:
-            now = _now()
-            old = [sid for sid, s in self._sessions.items()
-                   if not s.busy and now - self._used.get(sid, now) > self.idle_timeout]
-            for sid in old:
-                self._forget(sid)
-            return old
-
-    def evict_idle_kv(self, keep: int) -> int:
-        """Free the KV blocks of all but the ``keep`` most recently used idle sessions (histories stay)."""
-        with self._lock, self.engine._lock:
-            idle = [s for s in self._sessions.values() if not s.busy and s.seq.block_table]
-            victims = idle[:max(0, len(idle) - keep)]
-            for s in victims:
-                if s.seq.seq_id in self.engine.scheduler.idle:
-                    self.engine.scheduler.evict(s.seq)
-            return len(victims)
-
-    def persist(self, sid: str) -> None:
-        """Save ``sid`` under ``session_dir`` (no-op without one); a failed save warns and keeps serving."""
-        if self.session_dir is None:
-            return
-        with self._lock:
-            s = self._sessions.get(sid)
-        if s is None or s.busy:
-            return
-        try:
-            s.save(self.session_dir / sid, include_kv=True)
-        except Exception as e:  # noqa: BLE001 - persistence must not take the server down
-            import warnings
-
-            warnings.warn(f"could not save session {sid} to {self.session_dir}: {e}", stacklevel=2)
-
-    def restore(self) -> int:
-        """Load every session saved under ``session_dir`` (ids are the folder names); returns how many."""
-        if self.session_dir is None or not self.session_dir.is_dir():
-            return 0
-        n = 0
-        for d in sorted(self.session_dir.iterdir()):
-            if not (d / "session.json").is_file() or d.name in self._sessions:
-                continue
-            try:
-                s = self.engine.load_session(d)
-            except LiteturboError as e:
-                import warnings
-
-                warnings.warn(f"skipping saved session {d}: {e}", stacklevel=2)
-                continue
-            with self._lock:
-                self._sessions[d.name] = s
-                self._used[d.name] = _now()
-            n += 1
-        return n
-
-    def _forget(self, sid: str) -> None:
-        s = self._sessions.pop(sid)
-        self._used.pop(sid, None)
-        if not s.busy:
-            s.close()
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

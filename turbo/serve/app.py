@@ -3,7 +3,7 @@
 ``create_app(engine)`` builds a FastAPI app; ``serve(model, host, port, ...)`` loads the engine and runs it under
 uvicorn (``liteturbo serve``). Endpoints (see docs/serving.md for every field):
 
-- ``GET /``: a web chat page (``turbo/static/chat.html``) over the sessions API;
+- ``GET /``: a web chat page (``turbo/serve/static/chat.html``) over the sessions API;
 - ``GET /health``; ``GET /metrics`` (Prometheus: :mod:`turbo.metrics`); ``GET /v1/models`` (one model) and
   ``GET /v1/models/{id}``;
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: streamed as server-sent events in OpenAI's chunk
@@ -47,11 +47,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lite.formats import LiteturboError
 
-from .config import GenerationConfig
-from .engine import Engine, GenerationOutput
-from .errors import NotFound, OverCapacity, http_status
-from .loop import EngineLoop, RequestHandle
-from .session import Session, SessionRegistry
+from ..config import GenerationConfig
+from ..engine import Engine, GenerationOutput
+from ..errors import NotFound, OverCapacity, http_status
+from ..loop import EngineLoop, RequestHandle
+from ..session import Session
+from .sessions import SessionRegistry
 
 log = logging.getLogger("liteturbo.server")
 

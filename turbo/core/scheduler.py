@@ -10,6 +10,8 @@ Prefill, chunked prefill and decode are one thing: bring ``num_computed`` up to 
 2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order while the batch
    size, the token budget and free blocks allow; a long prompt is split into chunks across steps. An
    admitted sequence first takes the cached blocks of its longest cached prefix.
+3. After the runner computed the step, :meth:`Scheduler.update_from_output` advances the computed tokens, offers
+   full blocks to the prefix cache and says which sequences get a sampled token.
 """
 from __future__ import annotations
 
@@ -198,3 +200,23 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
         return ScheduledStep(seqs, counts, preempted)
+
+    def update_from_output(self, sched: ScheduledStep) -> list[int]:
+        """After the runner computed ``sched``: advance each sequence's computed tokens and offer its full blocks to
+        the prefix cache. Returns the rows (indices into ``sched.seqs``) whose tokens are now all computed: those
+        get a sampled token (the others computed a prompt chunk)."""
+        ready = []
+        for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+            seq.num_computed += n
+            self.bm.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed)
+            if seq.num_computed >= seq.num_tokens:
+                ready.append(row)
+        return ready
+
+    def evict_if_idle(self, seq: Sequence) -> bool:
+        """Free ``seq``'s blocks if it is an idle session (its tokens stay); returns whether it was."""
+        if seq.seq_id not in self.idle:
+            return False
+        self.evict(seq)
+        return True
+

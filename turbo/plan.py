@@ -1,239 +1,30 @@
-"""Memory planner: does a model fit on a device, with how much context and how many sessions, answered from
-``config.json`` before anything is loaded, with the accounting the engine itself uses at start-up.
+"""``liteturbo plan``: will a model fit on a device, with how much context and how many sessions, answered from
+``config.json`` before anything is loaded.
 
-Memory of a running engine, in four parts (all in bytes):
-
-* **weights**: what the backend holds after loading, counted per linear by the backend's own
-  :meth:`backends.base.Backend.linear_nbytes` (packed codes, scales, zero points in its layout), plus the 16-bit
-  embedding table, the lm_head (none when tied to the embeddings, int8 + per-channel scales when the engine
-  runs it as weight-only int8), the norms, and the rotary cos/sin tables (float32 ``[max_position, head_dim]``
-  each). ``tests/test_planner.py`` checks these figures equal the tensors the engine allocates.
-* **workspace**: transient tensors of the largest step (an upper-bound estimate, see :func:`workspace_breakdown`):
-  activations of a prefill chunk of ``max_num_batched_tokens`` tokens, the dense copy of a quantized weight when a
-  chunk is large enough to be dequantized for one GEMM, attention scratch (contexts gathered per layer by
-  backends without a paged-attention kernel; split-KV partials), logits and sampling for ``max_batch_size`` rows.
-* **KV pool**: blocks of ``block_size`` tokens, each token costing
-  :meth:`backends.kv_cache.KVCacheSpec.bytes_per_token` (all layers, keys and values, int8/int4 scales included).
-* **reserve** (accelerators only, planner only): CUDA/ROCm/NPU context, library workspaces and allocator slack,
-  :data:`ACCELERATOR_RESERVE`. At start-up the engine measures free memory instead, which already excludes it.
-
-Pool sizing (:func:`size_pool`, used by the engine and by :func:`plan`): ``available = free − workspace`` where
-``free`` is the memory left once the weights are loaded (what the device reports, so memory other processes use is
-accounted for); the pool takes ``cache_max_entry_count`` (default :data:`POOL_FRACTION` on accelerators) of
-``available``, or the fixed size asked for (``num_blocks``, ``kv_cache_gib``, ``max_kv_tokens``; on CPUs the default
-is :data:`CPU_DEFAULT_KV_TOKENS` tokens), which must fit in ``available``. The workspace grows with the prefill chunk,
-so a larger chunk never makes the pool hold more tokens.
+:func:`plan` builds the :class:`Plan` report (weights, workspace, reserve, KV pool, context and sessions, what to
+change when it does not fit) from the accounting of :mod:`turbo.core.planner`, the same the engine applies at
+start-up; :func:`plan_checkpoint` is the CLI's front (reads a folder, a config.json or a model name, resolves the
+device, budget and options as the engine would).
 """
 from __future__ import annotations
 
+import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-from backends import Backend, KVCacheSpec, LinearSpec, backend_classes
-from lite.formats import LiteturboError
+from backends import backend_classes
+from backends.platform import current_platform
+from lite.formats import LiteturboError, load_config, resolve_model
 
-GiB = 2**30
-MiB = 2**20
-ACCELERATOR_RESERVE = GiB  # context + cuBLAS/Triton workspaces + allocator slack on a GPU/NPU (planner estimate)
-POOL_FRACTION = 0.9  # share of the memory left after weights and workspace the KV pool takes by default (GPU/NPU)
-CPU_DEFAULT_KV_TOKENS = 16384
-SAMPLING_BYTES_PER_LOGIT = 16  # float32 probabilities + sorted float32 values + int64 indices (top-k/top-p)
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_UNITS = {"": GiB, "b": 1, "k": 1024, "ki": 1024, "kib": 1024, "kb": 1000, "m": MiB, "mi": MiB, "mib": MiB,
-          "mb": 10**6, "g": GiB, "gi": GiB, "gib": GiB, "gb": 10**9, "t": 2**40, "ti": 2**40, "tib": 2**40,
-          "tb": 10**12}
+from .config import _DTYPES, _KV_ALIASES, KV_CACHE_DTYPE_CHOICES
+from .core.model import ModelConfig
 
+from .core.planner import (ACCELERATOR_RESERVE, GiB, POOL_FRACTION, WeightChoice, gib, kv_spec, parse_memory,
+                           size_pool, weight_breakdown, weight_choice, workspace_breakdown)
 
-def parse_memory(text: str | int | float) -> int:
-    """Bytes from ``"24GiB"`` / ``"24Gi"`` / ``"24G"`` (binary), ``"24 GB"`` (10^9), ``"24000MiB"``, ``"24"`` (a bare
-    number is GiB). Raises ``LiteturboError`` for anything else or a size that is not positive and finite."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise LiteturboError(f"cannot read the memory size {text!r}; write it as 24GiB (or 24Gi, 24G), 24GB "
-                                 f"(10^9 bytes), 24000MiB or 24 (GiB)")
-        value, unit = float(m.group(1)), m.group(2).lower()
-    if not (0 < value < math.inf):
-        raise LiteturboError(f"the memory size must be positive and finite, got {text!r}")
-    return int(value * _UNITS[unit])
-
-
-def gib(n: int | float) -> str:
-    """``n`` bytes as GiB with two decimals (``"1.25 GiB"``)."""
-    return f"{n / GiB:.2f} GiB"
-
-
-@dataclass(frozen=True)
-class WeightChoice:
-    """How the decoder linears are stored: ``bits`` 16 (dense, compute dtype) or 2..8 (group-quantized with
-    ``group_size``, ``act_order`` g_idx, scales in ``scales_dtype``); ``lm_head_int8``: the output projection as
-    weight-only int8 (what the engine does for quantized checkpoints on CPU, ``lm_head="auto"``)."""
-
-    bits: int = 4
-    group_size: int = 128
-    act_order: bool = False
-    scales_dtype: torch.dtype = torch.float16
-    lm_head_int8: bool = False
-
-
-def decoder_linear_specs(cfg, w: WeightChoice) -> list[LinearSpec]:
-    """The linears of one decoder layer as the loader builds them (q/k/v fused, gate/up fused). ``cfg`` is a
-    :class:`turbo.model.ModelConfig`."""
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    shapes = [(q + 2 * kv, h, cfg.qkv_bias), (h, q, cfg.o_bias), (2 * inter, h, cfg.mlp_bias), (h, inter, cfg.mlp_bias)]
-    return [LinearSpec(o, i, bits=w.bits, group_size=w.group_size if w.bits < 16 else -1, act_order=w.act_order,
-                       bias=b, scales_dtype=w.scales_dtype) for o, i, b in shapes]
-
-
-def weight_breakdown(cfg, backend_cls: type[Backend], device_type: str, dtype: torch.dtype,
-                     w: WeightChoice) -> dict[str, int]:
-    """Bytes the engine holds for the weights, by part: ``decoder linears``, ``embeddings``, ``lm_head``, ``norms``,
-    ``rotary tables`` (see the module docstring). ``cfg`` is a :class:`turbo.model.ModelConfig`."""
-    e = torch.empty((), dtype=dtype).element_size()
-    per_layer = sum(backend_cls.linear_nbytes(s, dtype, device_type) for s in decoder_linear_specs(cfg, w))
-    embed = cfg.vocab_size * cfg.hidden_size * e
-    if w.lm_head_int8:
-        lm_head = backend_cls.linear_nbytes(LinearSpec(cfg.vocab_size, cfg.hidden_size, int8_per_channel=True),
-                                            dtype, device_type)
-    else:
-        lm_head = 0 if cfg.tie_word_embeddings else embed
-    norms = (cfg.num_layers * (2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)) + cfg.hidden_size) * e
-    rotary = 2 * max(cfg.max_position_embeddings, 1) * cfg.head_dim * 4
-    return {"decoder linears": cfg.num_layers * per_layer, "embeddings": embed, "lm_head": lm_head, "norms": norms,
-            "rotary tables": rotary}
-
-
-def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_cache_dtype: str,
-                        quantized: bool, lm_head_int8: bool, max_num_batched_tokens: int, max_batch_size: int,
-                        session_len: int, batch_invariant: bool = False,
-                        context_tokens: int | None = None) -> dict[str, int]:
-    """Upper-bound estimate of the transient memory of one step, by part (bytes).
-
-    T = ``max_num_batched_tokens`` (tokens of one step), B = ``max_batch_size`` (rows that need logits),
-    C = ``session_len`` (longest context), E = bytes of ``dtype``:
-
-    * ``activations``: everything a layer keeps alive at once for T tokens: residual, normed input, fused QKV,
-      rotated q/k, attention output, gate/up, SiLU product and the MLP output, plus float32 norm statistics.
-    * ``dequantized weight``: the largest quantized linear as a dense ``dtype`` weight plus its uint8 codes, when
-      T reaches the backend's ``dequant_min_rows`` (never with ``batch_invariant``).
-    * ``attention``: a backend without a paged kernel gathers contexts per layer (keys and values in ``dtype``; with
-      an int8/int4 cache also the codes and a float32 copy): for a chunked prefill of T tokens over C, with the
-      ``T x C`` mask (and, with ``batch_invariant``, float32 scores and probabilities ``H x T x C``: the matmul path;
-      otherwise SDPA's fused kernel keeps no scores), or for a decode batch over ``context_tokens`` (default
-      ``B x C``; the engine caps it by the pool) with its float32 scores; a paged kernel gathers only a whole
-      prompt's own keys and values and keeps float32 split-KV partials.
-    * ``logits and sampling``: B rows of logits in ``dtype`` and float32, :data:`SAMPLING_BYTES_PER_LOGIT` per logit
-      for sampling, and the int8 lm_head's dequantized tile.
-    """
-    e = torch.empty((), dtype=dtype).element_size()
-    t, b, c = max_num_batched_tokens, max_batch_size, session_len
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    nh, nkv = cfg.num_heads, cfg.num_kv_heads
-    qkv = (nh + 2 * nkv) * hd
-    act = t * e * (3 * h + qkv + 2 * (nh + nkv) * hd + nh * hd + 4 * inter) + t * h * 8
-    dequant = 0
-    if quantized and not batch_invariant and t >= backend_cls.dequant_min_rows:
-        dequant = max(qkv * h, h * nh * hd, 2 * inter * h, h * inter) * (e + 1)
-    kv_quant = kv_cache_dtype in ("int8", "int4")
-    gather_per_token = 2 * nkv * hd * (e + (5 if kv_quant else 0))
-    if backend_cls.paged_attention:
-        parts = -(-c // 512)
-        attn = t * gather_per_token + b * nh * parts * (hd + 2) * 4
-    else:
-        ctx = b * c if context_tokens is None else min(context_tokens, b * c)
-        prefill = c * gather_per_token + t * c + (nh * t * c * (8 + e) if batch_invariant else 0)
-        decode = ctx * (gather_per_token + nh * (8 + e))
-        attn = max(prefill, decode)
-    rows = min(b, t)
-    logits = rows * cfg.vocab_size * (e + 4 + SAMPLING_BYTES_PER_LOGIT)
-    if lm_head_int8:
-        logits += min(4096, cfg.vocab_size) * h * e
-    return {"activations": act, "dequantized weight": dequant, "attention": attn, "logits and sampling": logits}
-
-
-def kv_spec(cfg, kv_cache_dtype: str, block_size: int, num_blocks: int = 1) -> KVCacheSpec:
-    """The :class:`~backends.kv_cache.KVCacheSpec` the engine allocates for ``cfg``. Raises ``LiteturboError`` for a
-    dtype the cache cannot hold (e.g. int4 with an odd head_dim)."""
-    try:
-        return KVCacheSpec(kv_cache_dtype, num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    except ValueError as e:
-        raise LiteturboError(str(e)) from None
-
-
-@dataclass
-class PoolSize:
-    """Result of :func:`size_pool`: ``blocks`` to allocate (0 = does not fit), ``available`` bytes for the pool
-    (free − workspace), ``asked`` bytes the option asks for, and ``what`` (the option that decided)."""
-
-    blocks: int
-    available: int
-    asked: int
-    what: str
-
-
-def _requested(bytes_per_block: int, block_size: int, num_blocks, kv_cache_gib, cache_max_entry_count, max_kv_tokens,
-               accelerator: bool) -> tuple[int | None, float | None, str]:
-    """(fixed blocks or None, fraction or None, the option's name=value) for the pool options."""
-    if num_blocks is not None:
-        return num_blocks, None, f"num_blocks={num_blocks}"
-    if kv_cache_gib is not None:
-        return int(kv_cache_gib * GiB // bytes_per_block), None, f"kv_cache_gib={kv_cache_gib}"
-    if cache_max_entry_count is not None or (accelerator and max_kv_tokens is None):
-        frac = POOL_FRACTION if cache_max_entry_count is None else cache_max_entry_count
-        return None, frac, f"cache_max_entry_count={frac}"
-    tokens = CPU_DEFAULT_KV_TOKENS if max_kv_tokens is None else max_kv_tokens
-    return -(-tokens // block_size), None, f"max_kv_tokens={tokens}"
-
-
-def size_pool(free: int, workspace, bytes_per_block: int, block_size: int, *, num_blocks: int | None = None,
-              kv_cache_gib: float | None = None, cache_max_entry_count: float | None = None,
-              max_kv_tokens: int | None = None, accelerator: bool = False,
-              context_cap: int | None = None) -> tuple[PoolSize, dict[str, int]]:
-    """Size the KV pool and the workspace together; returns ``(PoolSize, workspace parts)``.
-
-    ``workspace(context_tokens)`` gives the workspace parts when decode attention gathers at most ``context_tokens``
-    tokens (see :func:`workspace_breakdown`); ``context_cap`` is the most it could gather (``max_batch_size x
-    session_len``), ``None`` when the backend reads K/V in place (nothing gathered). The pool option: ``num_blocks``,
-    ``kv_cache_gib``, ``max_kv_tokens`` (fixed sizes), ``cache_max_entry_count`` (a fraction of ``free − workspace``);
-    none: :data:`POOL_FRACTION` on accelerators, :data:`CPU_DEFAULT_KV_TOKENS` tokens on CPUs. A gathering backend
-    never gathers more tokens than the pool holds, so the workspace is sized for ``min(context_cap, pool tokens)``;
-    for a fractional pool the largest pool that satisfies that is found by bisection. ``blocks`` is 0 when a fixed
-    size does not fit (the caller names the shortfall ``asked − available``)."""
-    fixed, frac, what = _requested(bytes_per_block, block_size, num_blocks, kv_cache_gib, cache_max_entry_count,
-                                   max_kv_tokens, accelerator)
-
-    def ws_for(blocks: int | None) -> dict[str, int]:
-        if context_cap is None:
-            return workspace(None)
-        return workspace(min(context_cap, (blocks or 0) * block_size))
-
-    if fixed is not None:
-        ws = ws_for(fixed)
-        available = max(free - sum(ws.values()), 0)
-        asked = fixed * bytes_per_block
-        return PoolSize(fixed if 0 < asked <= available else 0, available, asked, what), ws
-
-    def fits(n: int) -> bool:
-        return n * bytes_per_block <= frac * max(free - sum(ws_for(n).values()), 0)
-
-    lo, hi = 0, int(frac * max(free - sum(ws_for(0).values()), 0) // bytes_per_block)
-    while lo < hi:  # the largest n with fits(n): fits is monotone (the workspace grows with the pool)
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    ws = ws_for(lo)
-    return PoolSize(lo, max(free - sum(ws.values()), 0), lo * bytes_per_block, what), ws
-
-
-# --------------------------------------------------------------------------------------------------------------
 @dataclass
 class Plan:
     """What :func:`plan` found; ``to_dict()`` is the ``--json`` output. Sizes in bytes, token counts in tokens."""
@@ -469,43 +260,9 @@ def _rank(kv: str) -> int:
     return {"int4": 0, "int8": 1}.get(kv, 2)
 
 
-# --------------------------------------------------------------------------------------------------------------
-def weight_choice(path, raw_config: dict, lm_head_int8: bool, bits: int | None = None,
-                  group_size: int | None = None) -> WeightChoice:
-    """How a checkpoint's linears are stored (its ``quantization_config`` and, when weight files are present, the
-    dtype of its scales from the headers); ``bits``/``group_size`` override (a 16-bit checkpoint planned as it
-    would be after ``lite``). Raises ``LiteturboError`` for a quantization config liteturbo cannot load."""
-    from lite.formats import LazyStateDict, quantization_spec
-    from lite.formats.checkpoint import weight_files
-
-    qspec = quantization_spec(raw_config)
-    qc = raw_config.get("quantization_config") or {}
-    act = bool(qc.get("desc_act"))
-    for g in (qc.get("config_groups") or {}).values():
-        act = act or (g.get("weights") or {}).get("actorder") in ("group", "weight", "static", True)
-    scales_dtype = torch.float16
-    if qspec is not None and path is not None and weight_files(path) and all(f.is_file() for f in weight_files(path)):
-        sd = LazyStateDict(path)
-        for k in sd:
-            if k.endswith(".scales") or k.endswith(".weight_scale"):
-                scales_dtype = sd.dtype(k)
-                break
-    if bits is None:
-        bits = qspec.bits if qspec else 16
-    if group_size is None:
-        group_size = qspec.group_size if qspec else 128
-    if bits >= 16:
-        return WeightChoice(16, -1, False, scales_dtype, lm_head_int8)
-    return WeightChoice(bits, group_size, act and qspec is not None, scales_dtype, lm_head_int8)
-
-
 def _read_config(model: str):
     """(name, folder or None, config dict) for a checkpoint folder, a folder with only config.json, a config.json
     file, or a model name :func:`lite.formats.resolve_model` knows."""
-    import json
-    from pathlib import Path
-
-    from lite.formats import load_config, resolve_model
 
     p = Path(model)
     if p.is_file():
@@ -534,10 +291,6 @@ def plan_checkpoint(model: str, *, gpu_mem: str | None = None, device: str | Non
     budget (``gpu_mem``, else the memory free on ``device`` now) and the options as the engine would. Returns the
     plan (with ``raw_config`` attached) and whether the model must be quantized first (a 16-bit checkpoint planned
     at fewer bits). Raises ``LiteturboError`` for bad input."""
-    from backends.platform import current_platform
-
-    from .config import _DTYPES, _KV_ALIASES, KV_CACHE_DTYPE_CHOICES
-    from .model import ModelConfig
 
     name, folder, raw = _read_config(model)
     cfg = ModelConfig.from_dict(raw)

@@ -1,0 +1,339 @@
+"""The engine core: a persistent batch over a paged KV cache; requests are added, stepped, cancelled and read here.
+
+``step()`` reads as schedule → run → update: the :class:`~turbo.core.scheduler.Scheduler` picks which sequences
+compute how many tokens, the :class:`~turbo.core.runner.ModelRunner` computes them as one flat batch, the scheduler
+advances their computed tokens (:meth:`~turbo.core.scheduler.Scheduler.update_from_output`), and every sequence whose
+tokens are all computed gets a token from one batched draw (:mod:`turbo.core.sampler`) whose text is released
+(:mod:`turbo.core.detokenizer`). Start-up (loading, memory fitting, pool sizing) is :mod:`turbo.core.startup`.
+
+:class:`EngineCore` also offers what sessions and the background loop build on, so that they never reach into the
+scheduler, block manager or runner: ``lock``, :meth:`~EngineCore.new_sequence`, :meth:`~EngineCore.drive`,
+:meth:`~EngineCore.check_prompt`, :meth:`~EngineCore.drop_sequence`, :meth:`~EngineCore.evict_idle`,
+:meth:`~EngineCore.export_kv`, :meth:`~EngineCore.import_kv`, :attr:`~EngineCore.num_waiting`. It imports nothing
+of ``turbo`` above this package but the configs and typed errors.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from lite.formats import LiteturboError
+from lite.formats.checkpoint import weight_files
+
+from ..config import EngineConfig, GenerationConfig
+from . import inputs
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .request import GenerationOutput, Request, step_input
+from .sampler import RowSampling, SamplingError, sample_batch
+from .scheduler import ScheduledStep, Sequence
+from .startup import engine_config, start
+
+
+class EngineCore:
+    """Load a model (name, or 16/32-bit or W4A16 checkpoint folder) and run requests on it: ``add_request``,
+    ``step``, ``cancel``, ``output``, ``stats``. Raises ``LiteturboError`` for a bad model path, unsupported
+    architecture, bad options, or a model or KV pool that cannot fit in the free memory."""
+
+    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, **kwargs) -> None:
+        self.config = engine_config(config, kwargs)
+        p = start(self.config, model)
+        self.path, self.platform, self.backend, self.dtype = p.path, p.platform, p.backend, p.dtype
+        self.model, self.tokenizer, self.runner = p.model, p.tokenizer, p.runner
+        self.kv_cache_dtype, self.kv_params, self.workspace_bytes = p.kv_cache_dtype, p.kv_params, p.workspace_bytes
+        self.block_manager, self.scheduler = p.block_manager, p.scheduler
+        self.session_len, self.eos_token_ids = p.session_len, p.eos_token_ids
+        self.requests: dict[int, Request] = {}
+        # one step at a time: threads may share an engine (each drives steps for everyone until its own
+        # request is done); the lock guards the scheduler, the block manager and the caches
+        self.lock = threading.RLock()
+        self._ids = itertools.count()
+        self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "last_prefill_tokens": 0,
+                         "generated_tokens": 0, "busy_seconds": 0.0}
+
+    # --- requests --------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], gen: GenerationConfig | None = None, priority: int = 0,
+                    seq: Sequence | None = None) -> Request:
+        """Queue a request; ``seq`` continues an existing sequence (a session), reusing its computed prefix.
+
+        A text prompt is raw text, tokenized by :meth:`encode` (with the tokenizer's own special tokens, e.g. a
+        BOS); token ids are used as given. ``priority``: lower runs first (and is preempted last). Raises
+        ``LiteturboError`` for a bad prompt, option or priority."""
+        gen = GenerationConfig() if gen is None else gen
+        if not isinstance(gen, GenerationConfig):
+            raise LiteturboError(f"gen must be a GenerationConfig, got {type(gen).__name__}; use "
+                                 f"GenerationConfig(**options) or pass the options as keywords")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise LiteturboError(f"priority must be an integer (lower runs first), got {priority!r}")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise LiteturboError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+        bad = [t for t in gen.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise LiteturboError(f"stop_token_ids {bad[:3]} are outside the vocabulary (size {self.vocab_size})")
+        with self.lock:
+            ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.check_prompt(ids, session=seq is not None)
+            if seq is None:
+                seq = self.new_sequence(priority)
+            else:
+                seq.priority = priority
+                common, limit = 0, min(seq.num_computed, len(ids) - 1)
+                while common < limit and seq.token_ids[common] == ids[common]:
+                    common += 1
+                seq.num_computed = self.block_manager.truncate(seq.block_table, common)
+            seq.token_ids = ids
+            rng = None
+            if gen.temperature > 0:
+                rng = torch.Generator(device=self.backend.device)  # the logits' device: sampling runs there
+                rng.manual_seed(gen.seed if gen.seed is not None else int(torch.seed() % (2**63)))
+            stop_ids = set(gen.stop_token_ids) | (set() if gen.ignore_eos else self.eos_token_ids)
+            req = Request(seq=seq, gen=gen, prompt_len=len(ids), stop_ids=stop_ids,
+                          detok=IncrementalDetokenizer(self.tokenizer), stopper=StopStringMatcher(gen.stop), rng=rng)
+            self.requests[seq.seq_id] = req
+            self.scheduler.add(seq)
+            return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request now and free its blocks (a session keeps its computed tokens while memory allows).
+        Cancelling a finished request does nothing; a request of another engine raises ``LiteturboError``."""
+        if not isinstance(req, Request):
+            raise LiteturboError(f"expected a Request from add_request, got {type(req).__name__}")
+        with self.lock:
+            if req.finished:
+                return
+            if self.requests.get(req.seq.seq_id) is not req:
+                raise LiteturboError("this request belongs to another Engine; cancel it there")
+            self._finish(req, "cancelled")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.end(reason)
+        self.scheduler.finish(req.seq, keep_cache=req.keep_cache)
+        self.requests.pop(req.seq.seq_id, None)
+
+    def output(self, req: Request) -> GenerationOutput:
+        """The :class:`GenerationOutput` of a finished request. Raises ``LiteturboError`` while it runs."""
+        if not isinstance(req, Request):
+            raise LiteturboError(f"expected a Request from add_request, got {type(req).__name__}")
+        if not req.finished:
+            raise LiteturboError("the request is still running: step the engine until req.finished (or cancel it)")
+        return req.output()
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return self.scheduler.has_work()
+
+    # --- the step ----------------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one scheduler step; returns the requests that got a new token (or finished).
+
+        If the step fails (a kernel error, a request's sampling options), the requests of the step are
+        finished with ``finish_reason="error"`` (their blocks freed) and the exception propagates, so no
+        request is left half-run."""
+        with self.lock:
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            if not sched.seqs:
+                self._refuse_unfittable()
+                return []
+            try:
+                self._note_cache_hits(sched)
+                logits = self.runner.run(step_input(sched.seqs, sched.num_new_tokens, self.block_manager))
+                ready = self.scheduler.update_from_output(sched)
+                touched = self._emit_tokens(logits, [(row, self.requests[sched.seqs[row].seq_id]) for row in ready])
+            except BaseException as e:
+                self._fail(sched, e)
+                raise
+            self.counters["steps"] += 1
+            self.counters["busy_seconds"] += time.perf_counter() - t0
+            return touched
+
+    def _refuse_unfittable(self) -> None:
+        """Nothing was scheduled: a waiting request that does not fit even alone gets the error (raised to its
+        owner, not to whoever stepped)."""
+        if not self.scheduler.waiting:
+            return
+        seq = self.scheduler.waiting[0]
+        req = self.requests.get(seq.seq_id)
+        if req is not None:
+            req.error = LiteturboError(f"the KV cache ({self.block_manager.num_blocks} blocks of "
+                                       f"{self.block_manager.block_size} tokens) cannot hold this request "
+                                       f"({seq.num_tokens} tokens); raise max_kv_tokens or kv_cache_gib")
+            self._finish(req, "error")
+
+    def _fail(self, sched: ScheduledStep, error: BaseException) -> None:
+        for seq in sched.seqs:
+            req = self.requests.get(seq.seq_id)
+            if req is not None and not req.finished:
+                req.error = error
+                self._finish(req, "error")
+
+    def _note_cache_hits(self, sched: ScheduledStep) -> None:
+        for seq in sched.seqs:
+            req = self.requests[seq.seq_id]
+            if req.cached_tokens < 0:  # first step of the request: what the prefix cache (or a session) held
+                req.cached_tokens = seq.num_computed
+
+    def _emit_tokens(self, logits: torch.Tensor, ready: list[tuple[int, Request]]) -> list[Request]:
+        """Sample a token for each (logits row, request) in one batched draw on the logits' device (one host
+        synchronization) and append it; a request whose sampling fails alone ends with its error."""
+        for _, req in ready:
+            if not req.output_ids:
+                self.counters["prefill_tokens"] += req.prompt_len - req.cached_tokens
+                self.counters["last_prefill_tokens"] = req.prompt_len - req.cached_tokens
+            else:
+                self.counters["decode_tokens"] += 1
+        if not ready:
+            return []
+        opts = [RowSampling.of(
+            req.gen, generator=req.rng, output_ids=req.output_ids,
+            prompt_ids=req.seq.token_ids[:req.prompt_len] if req.gen.repetition_penalty != 1.0 else (),
+            banned_ids=req.stop_ids if len(req.output_ids) < req.gen.min_new_tokens else ()) for _, req in ready]
+        try:
+            picks = sample_batch(logits, opts, [row for row, _ in ready])
+        except Exception:  # some request's sampling failed: find it by sampling each row alone
+            picks = [self._sample_alone(logits, row, req, opt) for (row, req), opt in zip(ready, opts)]
+        for (_, req), pick in zip(ready, picks):
+            try:
+                if isinstance(pick, Exception):
+                    raise pick
+                self.counters["generated_tokens"] += 1
+                reason = req.append_token(pick.token_id, pick.logprobs, self.session_len)
+                if reason is not None:
+                    self._finish(req, reason)
+            except Exception as e:  # this request's sampling failed: it alone ends, with the error kept
+                req.error = e
+                self._finish(req, "error")
+        return [req for _, req in ready]
+
+    @staticmethod
+    def _sample_alone(logits: torch.Tensor, row: int, req: Request, opt: RowSampling):
+        try:
+            return sample_batch(logits, [opt], [row])[0]
+        except SamplingError as e:
+            return LiteturboError(f"request {req.seq.seq_id}: {e.reason}")
+        except Exception as e:
+            return e
+
+    # --- what sessions and the loop build on -------------------------------------------------------------
+    def new_sequence(self, priority: int = 0) -> Sequence:
+        """A fresh, empty :class:`Sequence` with an id unique in this engine."""
+        return Sequence(seq_id=next(self._ids), priority=priority)
+
+    def check_prompt(self, ids: list[int], session: bool = False) -> None:
+        """Refuse an empty prompt, ids outside the vocabulary, or more tokens than ``session_len`` (see
+        :func:`turbo.core.inputs.check_prompt`). Raises ``InvalidRequest``."""
+        inputs.check_prompt(ids, self.session_len, self.vocab_size, session)
+
+    def drive(self, req: Request, every_step: bool = False) -> Iterator[str | GenerationOutput]:
+        """Step until ``req`` finishes, yielding its new text (``""`` after text-less steps if ``every_step``),
+        then its :class:`GenerationOutput`. A consumer that goes away cancels the request (its blocks are freed
+        at once); the request's error is re-raised."""
+        try:
+            while not req.finished:
+                self.step()
+                time.sleep(0)  # let other threads waiting on the engine lock in between steps
+                text = req.take_text()
+                if text or every_step:
+                    yield text
+            text = req.take_text()
+            if text:
+                yield text
+        finally:
+            self.cancel(req)
+        if req.error is not None:
+            raise req.error
+        yield self.output(req)
+
+    def drop_sequence(self, seq: Sequence) -> None:
+        """Forget ``seq``'s place in the batch and free its blocks (a session's reset, close or failed turn)."""
+        with self.lock:
+            self.scheduler.finish(seq)
+
+    def evict_idle(self, seq: Sequence) -> bool:
+        """Free the KV blocks of ``seq`` if it is an idle session (its tokens stay, recomputed on its next turn);
+        returns whether it was idle."""
+        with self.lock:
+            return self.scheduler.evict_if_idle(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued beyond the running batch."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens in the model's vocabulary."""
+        return self.model.cfg.vocab_size
+
+    @property
+    def kv_storage(self) -> str:
+        """How the KV cache stores values (e.g. ``bfloat16``, ``int8``): saved KV is reused only under the same."""
+        return self.runner.kv_cache.storage_key()
+
+    def export_kv(self, seq: Sequence) -> dict[str, torch.Tensor]:
+        """The cached K/V of ``seq``'s computed tokens in the cache's stored form (per layer ``[tokens, kv_heads,
+        ...]``: 16-bit values, or int8/int4 codes with their scales), for :meth:`import_kv`."""
+        with self.lock:
+            n = seq.num_computed
+            slots = torch.tensor(self.block_manager.slots(seq.block_table, 0, n), dtype=torch.long)
+            return self.runner.kv_cache.export(slots)
+
+    def import_kv(self, seq: Sequence, kv: dict[str, torch.Tensor], n: int) -> str | None:
+        """Load the first ``n`` tokens of ``seq`` (exported by :meth:`export_kv`) into fresh blocks and park it as an
+        idle session. Returns ``None`` on success, or why it was not loaded (no room, tensors of another shape):
+        then nothing is held and the tokens will be recomputed."""
+        with self.lock:
+            try:
+                self.block_manager.ensure_capacity(seq.block_table, n)
+            except Exception:
+                self.block_manager.free(seq.block_table)
+                return "the KV pool has no room for it now"
+            slots = torch.tensor(self.block_manager.slots(seq.block_table, 0, n), dtype=torch.long,
+                                 device=self.backend.device)
+            try:
+                self.runner.kv_cache.load(kv, slots)  # validates every tensor before writing any
+            except ValueError as e:
+                self.block_manager.free(seq.block_table)
+                return str(e)
+            seq.num_computed = n
+            self.block_manager.register_full_blocks(seq.token_ids, seq.block_table, n)
+            self.scheduler.finish(seq, keep_cache=True)
+            return None
+
+    # --- info ------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters: running/waiting requests, tokens prefilled/decoded, prefix-cache hits, blocks, tokens/s, and the
+        KV pool: ``kv_cache_dtype``, ``kv_calibrated``, ``kv_bytes_per_token`` (all layers, K and V, scales
+        included), ``kv_pool_tokens`` (tokens the pool holds), ``kv_cache_bytes``."""
+        c = dict(self.counters)
+        c["generation_tokens_per_s"] = c["generated_tokens"] / c["busy_seconds"] if c["busy_seconds"] else 0.0
+        bm, sch = self.block_manager, self.scheduler
+        return dict(c, running=len(sch.running), waiting=len(sch.waiting), idle_sessions=len(sch.idle),
+                    cache_hit_tokens=bm.hit_tokens, blocks_total=bm.num_blocks, blocks_free=bm.num_free,
+                    block_size=bm.block_size, kv_cache_bytes=self.runner.kv_bytes,
+                    kv_cache_dtype=self.kv_cache_dtype, kv_calibrated=self.runner.kv_cache.calibrated,
+                    kv_bytes_per_token=self.runner.kv_cache.spec.bytes_per_token(),
+                    kv_pool_tokens=bm.num_blocks * bm.block_size)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of raw ``text`` (see :func:`turbo.core.inputs.encode`: the tokenizer's own special tokens by
+        default). Raises ``LiteturboError`` for text that is not valid Unicode."""
+        return inputs.encode(self.tokenizer, text, add_special_tokens)
+
+    def chat_template_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, ready for the reply (see
+        :func:`turbo.core.inputs.chat_template_ids`)."""
+        return inputs.chat_template_ids(self.tokenizer, messages, self.path)
+
+    def fingerprint(self) -> str:
+        """Identifies the weights and compute dtype (saved KV is reused only under the same one)."""
+        h = hashlib.sha256((self.path / "config.json").read_bytes())
+        for f in weight_files(self.path):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        h.update(str(self.dtype).encode())
+        return h.hexdigest()[:16]

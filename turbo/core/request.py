@@ -1,0 +1,154 @@
+"""Step data: what the scheduler hands the model runner (:class:`StepInput`), the engine-side state of one request
+(:class:`Request`: its sequence, sampling options, detokenizer and stop-string matcher, the text released so far) and
+the result of a finished one (:class:`GenerationOutput`). Plain dataclasses; :meth:`Request.append_token` holds the
+rules that end a request (stop ids, stop strings, the token limit, the context).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import GenerationConfig
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .scheduler import Sequence
+
+
+@dataclass
+class StepInput:
+    """What the model runner computes in one step (the scheduler → runner contract).
+
+    For each sequence ``b``: tokens ``token_ids[query_start[b]:query_start[b+1]]`` at ``positions``, its
+    block table, and the rows whose logits are returned (``logits_rows``).
+    """
+
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    logits_rows: list[int]
+
+
+@dataclass
+class GenerationOutput:
+    """Result of one request: text, generated ids, why it stopped, and timings (seconds).
+
+    text: exactly the streamed pieces joined (the one source of a reply's text, also stored in a session's
+    history): cut before a stop string, special tokens skipped, and without an incomplete multi-byte character
+    at the end (the token limit cut it; see :mod:`turbo.core.detokenizer`). A cancelled or failed request's text is
+    what had been released when it ended (text held back as a possible stop-string start is dropped).
+    finish_reason: ``stop`` (EOS, stop string or stop id), ``length`` (max_new_tokens or the context),
+    ``cancelled``, ``error`` (the step or its sampling raised; the stream/generate call re-raises it).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft: float
+    decode_seconds: float
+    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode speed after the first token (tokens/s)."""
+        n = len(self.token_ids) - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class Request:
+    """Engine-side state of one generation request over a :class:`Sequence`."""
+
+    seq: Sequence
+    gen: GenerationConfig
+    prompt_len: int
+    stop_ids: set[int]
+    detok: IncrementalDetokenizer
+    stopper: StopStringMatcher
+    rng: torch.Generator | None
+    keep_cache: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+    text: str = ""  # all text released so far: the streamed pieces joined, and GenerationOutput.text
+    finish_reason: str | None = None
+    cached_tokens: int = -1
+    error: BaseException | None = None  # why it finished with finish_reason "error"
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_end: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once the request stopped (any reason)."""
+        return self.finish_reason is not None
+
+    def release(self, piece: str) -> None:
+        """Publish ``piece`` of output text: it is streamed (:meth:`take_text`) and ends up in ``text``."""
+        if piece:
+            self.pending.append(piece)
+            self.text += piece
+
+    def take_text(self) -> str:
+        """Text produced since the last call."""
+        out = "".join(self.pending)
+        self.pending.clear()
+        return out
+
+    def append_token(self, tok: int, logprobs: list[tuple[int, float]] | None, session_len: int) -> str | None:
+        """Append the sampled ``tok`` (and its top log-probabilities) and release its text; returns the finish
+        reason when the request stops here (``stop``: a stop id or stop string; ``length``: max_new_tokens or
+        ``session_len`` tokens in the sequence), else ``None``."""
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.output_ids.append(tok)
+        self.seq.token_ids.append(tok)
+        if tok in self.stop_ids:
+            return "stop"
+        self.release(self.stopper.feed(self.detok.add(tok)))
+        if self.stopper.stopped:
+            return "stop"
+        if len(self.output_ids) >= self.gen.max_new_tokens or self.seq.num_tokens >= session_len:
+            return "length"
+        return None
+
+    def end(self, reason: str) -> None:
+        """Mark the request finished with ``reason``. Generation that ran to its end (``length``, ``stop``) releases
+        what was held back (a possible stop-string start; an incomplete last character is dropped); a cancelled
+        or failed request releases nothing more: its text stays what was already streamed."""
+        self.finish_reason = reason
+        self.t_end = time.perf_counter()
+        if reason in ("length", "stop"):
+            self.release(self.stopper.feed(self.detok.flush()))
+            self.release(self.stopper.flush())
+
+    def output(self) -> GenerationOutput:
+        """The :class:`GenerationOutput` of this (finished) request."""
+        t_first = self.t_first or self.t_end or self.t_arrival
+        return GenerationOutput(text=self.text, token_ids=list(self.output_ids), finish_reason=self.finish_reason,
+                                prompt_tokens=self.prompt_len, cached_tokens=max(self.cached_tokens, 0),
+                                ttft=t_first - self.t_arrival, decode_seconds=(self.t_end or t_first) - t_first,
+                                logprobs=list(self.logprobs))
+
+
+def step_input(seqs, num_new_tokens, block_manager) -> StepInput:
+    """The :class:`StepInput` of a scheduled step: for each sequence its next ``n`` tokens, their positions and KV
+    slots (from its block table), its context length and the row of its last token (whose logits are sampled)."""
+    ids, pos, slots, qs, ctx, tables, rows = [], [], [], [0], [], [], []
+    for seq, n in zip(seqs, num_new_tokens):
+        s, e = seq.num_computed, seq.num_computed + n
+        ids += seq.token_ids[s:e]
+        pos += range(s, e)
+        slots += block_manager.slots(seq.block_table, s, e)
+        qs.append(qs[-1] + n)
+        ctx.append(e)
+        tables.append(seq.block_table)
+        rows.append(qs[-1] - 1)
+    return StepInput(ids, pos, slots, qs, ctx, tables, rows)

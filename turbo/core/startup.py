@@ -1,0 +1,249 @@
+"""Engine start-up as plain functions: resolve the model and options, refuse before loading what cannot fit, load
+the weights and tokenizer, size the KV pool from what is free after loading, and build the runner, block manager
+and scheduler. :func:`start` returns them as one :class:`EngineParts`.
+
+Memory is counted with :mod:`turbo.core.planner`: weights and a step's workspace are checked against the free memory
+of the device before any weight is read (memory other processes use is not free), then the pool takes what is
+free after loading, less the workspace. What cannot fit is refused with the shortfall and the options that would fit.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backends import Backend, KVCacheSpec, KVQuantParams, get_backend
+from backends.platform import Platform
+from lite.formats import LiteturboError, load_config, load_kv_params, resolve_model
+
+from ..config import EngineConfig
+from . import planner
+from .block_manager import BlockManager
+from .model import LlamaModel, ModelConfig
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+
+@dataclass
+class EngineParts:
+    """What :func:`start` builds; the engine core holds them. Sizes in bytes, lengths in tokens."""
+
+    path: Path
+    platform: Platform
+    backend: Backend
+    dtype: torch.dtype
+    model: LlamaModel
+    tokenizer: object
+    kv_cache_dtype: str
+    kv_params: KVQuantParams | None
+    block_manager: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    session_len: int
+    eos_token_ids: set[int]
+    workspace_bytes: int
+
+
+@dataclass
+class _Fit:
+    """The facts the memory checks read: resolved options and the model's config and weight layout."""
+
+    path: Path
+    config: EngineConfig
+    platform: Platform
+    backend: Backend
+    dtype: torch.dtype
+    model_cfg: ModelConfig
+    weights: planner.WeightChoice
+    lm_int8: bool
+    kv_cache_dtype: str
+
+    def workspace(self, context_tokens: int | None = None) -> dict[str, int]:
+        """A step's workspace by part (:func:`turbo.core.planner.workspace_breakdown`)."""
+        c, m = self.config, self.model_cfg
+        return planner.workspace_breakdown(
+            m, type(self.backend), self.dtype, self.kv_cache_dtype, self.weights.bits < 16, self.lm_int8,
+            c.max_num_batched_tokens, c.max_batch_size,
+            min(c.session_len or m.max_position_embeddings, m.max_position_embeddings), c.batch_invariant,
+            context_tokens)
+
+
+def engine_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
+    """The engine's options from ``config`` or keywords (not both). Raises ``LiteturboError``."""
+    if config is not None and kwargs:
+        raise LiteturboError(f"give options either as config=EngineConfig(...) or as keywords, not both "
+                             f"(got config and {sorted(kwargs)})")
+    if config is not None and not isinstance(config, EngineConfig):
+        raise LiteturboError(f"config must be an EngineConfig, got {type(config).__name__}; "
+                             f"use EngineConfig(**options) or pass the options as keywords")
+    try:
+        return config or EngineConfig(**kwargs)
+    except TypeError as e:
+        raise LiteturboError(f"bad Engine option: {e}") from None
+
+
+def kv_spec(fit: _Fit, num_blocks: int) -> KVCacheSpec:
+    """The KV cache's shape and storage. Raises ``LiteturboError`` for a bad combination."""
+    m = fit.model_cfg
+    try:
+        return KVCacheSpec(fit.kv_cache_dtype, num_blocks, fit.config.block_size, m.num_layers, m.num_kv_heads,
+                           m.head_dim)
+    except ValueError as e:
+        raise LiteturboError(str(e)) from None
+
+
+def resolve(config: EngineConfig, model: str | Path | None) -> _Fit:
+    """Model folder, platform, backend, compute dtype, lm_head and KV storage, from the options and config.json."""
+    path = resolve_model(model)
+    platform = config.platform()
+    try:
+        backend = get_backend(config.backend, platform.device, batch_invariant=config.batch_invariant)
+    except (ValueError, RuntimeError) as e:
+        raise LiteturboError(str(e)) from None
+    dtype = config.torch_dtype()
+    if platform.kind == "cpu" and dtype == torch.float16:
+        warnings.warn("float16 on a CPU is emulated: about 10x slower than bfloat16 here; use dtype='bfloat16' "
+                      "(or 'auto')", stacklevel=4)
+    raw_cfg = load_config(path)
+    lm_int8 = config.lm_head == "int8" or (
+        config.lm_head == "auto" and bool(raw_cfg.get("quantization_config"))
+        and backend.device.type == "cpu" and dtype != torch.float32)
+    # config + weight layout the planner counts with, read from the headers once
+    return _Fit(path, config, platform, backend, dtype, ModelConfig.from_dict(raw_cfg),
+                planner.weight_choice(path, raw_cfg, lm_int8), lm_int8, config.kv_storage_dtype())
+
+
+def check_fits_before_loading(fit: _Fit, free: int) -> None:
+    """Refuse, before reading any weight, a model whose weights and step workspace exceed ``free`` bytes (memory
+    other processes use is not free), naming the shortfall and what would help. Raises ``LiteturboError``."""
+    wc, c = fit.weights, fit.config
+    weights = sum(planner.weight_breakdown(fit.model_cfg, type(fit.backend), fit.platform.device.type, fit.dtype,
+                                           wc).values())
+    ws = sum(fit.workspace(context_tokens=c.block_size).values())
+    if weights + ws <= free:
+        return
+    raise LiteturboError(
+        f"{fit.path.name} does not fit on {fit.platform.device}: its weights take {planner.gib(weights)} "
+        f"({'W%dA16' % wc.bits if wc.bits < 16 else str(fit.dtype).removeprefix('torch.')}) and a step's "
+        f"workspace {planner.gib(ws)} (max_num_batched_tokens={c.max_num_batched_tokens}, "
+        f"max_batch_size={c.max_batch_size}), but only {planner.gib(free)} of {fit.platform.kind} memory is "
+        f"free (the rest is in use): {planner.gib(weights + ws - free)} short, before any KV cache. "
+        + ("Quantize it to 4 bits (liteturbo lite auto-awq), " if wc.bits > 4 else "")
+        + f"lower max_num_batched_tokens / max_batch_size / session_len, free memory, or use a larger "
+          f"device; `liteturbo plan {fit.path}` shows the accounting")
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer. Raises ``LiteturboError`` naming the missing files."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise LiteturboError(f"cannot load the tokenizer of {path} ({str(e).splitlines()[0][:200]}); the "
+                             f"folder needs the tokenizer files of the original model (tokenizer.json, "
+                             f"tokenizer_config.json); copy them from it") from None
+
+
+def kv_calibration(fit: _Fit, raw_cfg: dict, model_cfg: ModelConfig) -> KVQuantParams | None:
+    """Calibrated key parameters of the checkpoint, when the cache is int8/int4 and they are not turned off.
+    Raises ``LiteturboError`` for a damaged file or one made for another model shape."""
+    if fit.kv_cache_dtype not in ("int8", "int4") or not fit.config.kv_calibration:
+        return None
+    params = load_kv_params(fit.path, raw_cfg)
+    if params is not None:
+        bad = params.mismatch(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim)
+        if bad:
+            raise LiteturboError(f"the KV parameter file of {fit.path} was made for another model ({bad}); "
+                                 f"run `liteturbo lite calibrate-kv` on this model, or pass kv_calibration=False "
+                                 f"(--no-kv-calibration)")
+    return params
+
+
+def fit_hint(fit: _Fit, fitting_tokens: int, session: bool = False) -> str:
+    """The options that would make the KV pool fit, for error messages."""
+    cfg = fit.config
+    hints = []
+    if session:
+        hints.append("a smaller session_len (--session-len), or a larger pool (max_kv_tokens / kv_cache_gib / "
+                     "cache_max_entry_count; --max-kv-tokens, --kv-cache-gib, --cache-max-entry-count)")
+    elif fitting_tokens >= cfg.block_size:
+        hints.append(f"max_kv_tokens={fitting_tokens} (--max-kv-tokens {fitting_tokens}: the most that fits), or "
+                     f"cache_max_entry_count=0.9")
+    if fit.kv_cache_dtype not in ("int8", "int4"):
+        hints.append("kv_cache_dtype='int8' (--kv-cache-dtype int8: about half the bytes per token) or 'int4'")
+    elif fit.kv_cache_dtype == "int8":
+        hints.append("kv_cache_dtype='int4' (--kv-cache-dtype int4)")
+    if not session:
+        hints.append("a smaller max_num_batched_tokens or max_batch_size (less workspace)")
+    return "; ".join(hints) + f" (`liteturbo plan {fit.path}` shows the accounting)"
+
+
+def pool_blocks(fit: _Fit, free: int) -> tuple[int, int]:
+    """(KV blocks to allocate, workspace bytes set aside), see :func:`turbo.core.planner.size_pool`: ``free −
+    workspace`` after the weights are loaded, sized by the one pool option given, or the default, counting the real
+    bytes of a block in the chosen KV dtype (scales included). Raises ``LiteturboError`` naming the shortfall and
+    the options that would fit when the pool, or one session of an explicit ``session_len``, does not fit."""
+    cfg, mcfg = fit.config, fit.model_cfg
+    bs = cfg.block_size
+    block_bytes = kv_spec(fit, 1).bytes_per_block()
+    paged = type(fit.backend).paged_attention
+    length = min(cfg.session_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    pool, ws = planner.size_pool(
+        free, lambda ctx: fit.workspace(context_tokens=ctx), block_bytes, bs,
+        num_blocks=cfg.num_blocks, kv_cache_gib=cfg.kv_cache_gib, cache_max_entry_count=cfg.cache_max_entry_count,
+        max_kv_tokens=cfg.max_kv_tokens, accelerator=fit.platform.kind != "cpu",
+        context_cap=None if paged else cfg.max_batch_size * length)
+    workspace_bytes = sum(ws.values())
+    fitting_tokens = int(pool.available // block_bytes) * bs
+    if pool.asked < block_bytes and pool.what.split("=")[0] in ("kv_cache_gib", "cache_max_entry_count") \
+            and pool.available >= block_bytes:
+        raise LiteturboError(f"{pool.what} is less than one KV block ({block_bytes} bytes of {bs} tokens); give "
+                             f"at least {block_bytes / 2**30:.6f} GiB, or use max_kv_tokens (--max-kv-tokens)")
+    if pool.blocks < 1:
+        raise LiteturboError(
+            f"{pool.what} asks for a KV cache of {planner.gib(max(pool.asked, block_bytes))} but only "
+            f"{planner.gib(pool.available)} is left of the {planner.gib(free)} of {fit.platform.kind} memory free "
+            f"after loading the weights, once a step's workspace ({planner.gib(workspace_bytes)}: "
+            f"max_num_batched_tokens={cfg.max_num_batched_tokens}, max_batch_size={cfg.max_batch_size}) is set "
+            f"aside: {planner.gib(max(pool.asked, block_bytes) - pool.available)} short. To fit: "
+            + fit_hint(fit, fitting_tokens))
+    tokens = pool.blocks * bs
+    wanted = cfg.session_len and min(cfg.session_len, mcfg.max_position_embeddings)
+    if wanted and wanted > tokens:
+        raise LiteturboError(
+            f"session_len={wanted} needs {wanted} tokens of KV cache but the pool ({pool.what}) holds {tokens} "
+            f"({planner.gib(-(-wanted // bs) * block_bytes - pool.blocks * block_bytes)} short). To fit: "
+            + fit_hint(fit, fitting_tokens, session=True))
+    return pool.blocks, workspace_bytes
+
+
+def start(config: EngineConfig, model: str | Path | None) -> EngineParts:
+    """Build an engine's parts: resolve, fit-check before loading, load, size the pool, build the runner, block
+    manager and scheduler. Raises ``LiteturboError`` for a bad model, option, or what cannot fit."""
+    fit = resolve(config, model)
+    check_fits_before_loading(fit, fit.platform.free_memory())
+    llama = LlamaModel.from_pretrained(fit.path, fit.backend, fit.dtype, lm_head_int8=fit.lm_int8)
+    tokenizer = load_tokenizer(fit.path)
+    kv_params = kv_calibration(fit, load_config(fit.path), llama.cfg)
+    num_blocks, workspace_bytes = pool_blocks(fit, fit.platform.free_memory())
+    bs = config.block_size
+    block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+    scheduler = Scheduler(block_manager, config.max_batch_size, config.max_num_batched_tokens)
+    try:
+        runner = ModelRunner(llama, kv_spec(fit, num_blocks), kv_params)
+    except (RuntimeError, MemoryError) as e:
+        raise LiteturboError(f"cannot allocate the KV cache of {num_blocks} blocks x {bs} tokens ({e}); lower "
+                             f"kv_cache_gib / cache_max_entry_count / num_blocks / max_kv_tokens") from None
+    max_ctx = min(llama.cfg.max_position_embeddings, num_blocks * bs)
+    session_len = min(config.session_len or max_ctx, max_ctx)
+    if config.session_len and config.session_len > max_ctx:
+        warnings.warn(f"session_len={config.session_len} is capped to {max_ctx} tokens (the model's "
+                      f"max_position_embeddings and the KV pool of {num_blocks * bs} tokens)", stacklevel=4)
+    eos = set(llama.cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return EngineParts(fit.path, fit.platform, fit.backend, fit.dtype, llama, tokenizer, fit.kv_cache_dtype,
+                       kv_params, block_manager, scheduler, runner, session_len, eos, workspace_bytes)
