@@ -1,9 +1,13 @@
 """Kernel backends behind one small interface, chosen through an explicit registry.
 
-``get_backend("auto" | "torch" | "triton" | "ascend", device)`` returns a :class:`Backend`; a backend allocates the
-paged KV cache (:mod:`backends.kv_cache`: 16-bit, int8, int4) and runs the kernels over it. ``"auto"`` asks the
-device's :class:`~backends.platform.Platform` (Triton on CUDA/ROCm, Ascend on NPUs, torch elsewhere). ``backends``
-imports only torch (and triton inside :mod:`backends.triton`, only when that backend is used).
+``get_backend("auto" | "torch" | "triton" | "ascend", device)`` returns a :class:`Backend` (:mod:`backends.base`): the
+torch reference (:mod:`backends.torch_backend`, on CPUs with the C++ kernels of :mod:`backends.cpu_ext` where they
+build), the Triton kernels for CUDA/ROCm (:mod:`backends.triton`) or the Ascend one for NPUs (:mod:`backends.ascend`).
+A backend allocates the paged KV cache (:mod:`backends.kv_cache`: 16-bit, int8, int4) and runs the kernels over it;
+what crosses the interface is plain data (:mod:`backends.types`). ``"auto"`` asks the device's
+:class:`~backends.platform.Platform` (Triton on CUDA/ROCm, Ascend on NPUs, torch elsewhere); :mod:`backends.platform`
+also names the cache folder (``liteturbo_home``). ``backends`` imports only torch (and triton inside
+:mod:`backends.triton`, only when that backend is used): it knows nothing of ``lite`` or ``turbo``.
 """
 from __future__ import annotations
 

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform as _pyplatform
+import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from .platform import liteturbo_home
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "ext.cpp", _CSRC / "w4a16_gemm_cpu.cpp", _CSRC / "ops_cpu.cpp", _CSRC / "attention_cpu.cpp"]
@@ -40,15 +45,11 @@ def _cpu_flags() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
-    return platform.processor() or platform.machine()
+    return _pyplatform.processor() or _pyplatform.machine()
 
 
 def build_dir() -> Path:
     """Where the compiled extension is cached for this source, flags, torch version and CPU."""
-    from lite.formats.checkpoint import liteturbo_home
-
     key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(),
                                      torch.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
     return liteturbo_home() / "torch_ext" / f"liteturbo_cpu_{key}"
@@ -109,8 +110,6 @@ def _built(d: Path) -> bool:
 
 
 def _build(d: Path):
-    import sys
-
     from torch.utils.cpp_extension import load as cpp_load
 
     so = d / f"{_module_name(d)}.so"
@@ -138,9 +137,6 @@ def _clear_stale_lock(d: Path, poll_seconds: float = 1.0) -> None:
     killed midway (Ctrl-C) leaves the lock behind and every later start would wait forever. This waits (saying so on
     stderr) while the lock is younger than :data:`STALE_LOCK_SECONDS` (a build takes under a minute) and removes it,
     with a warning, once it is older."""
-    import sys
-    import time
-
     lock = d / "lock"
     said = False
     while True:

@@ -5,7 +5,8 @@
 which use the ``cuda`` device type, told apart by ``torch.version.hip``); ``npu`` (Huawei Ascend through the
 ``torch_npu`` plug-in, which registers the ``npu`` device type and ``torch.npu``). ``auto`` picks a GPU, then an
 NPU, then the CPU. Everything device-specific that the engine, the CLI and ``liteturbo env`` ask goes through
-here; backends say whether they run on a platform through ``Backend.unsupported_reason``.
+here; backends say whether they run on a platform through ``Backend.unsupported_reason``. :func:`liteturbo_home` is
+the cache folder (converted models, compiled CPU kernels).
 """
 from __future__ import annotations
 
@@ -14,10 +15,16 @@ import importlib.util
 import os
 import platform as _pyplatform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+
+
+def liteturbo_home() -> Path:
+    """Cache folder: ``$LITETURBO_HOME``, default ``~/.cache/liteturbo``."""
+    return Path(os.environ.get("LITETURBO_HOME", Path.home() / ".cache" / "liteturbo"))
 
 
 def _torch_npu():

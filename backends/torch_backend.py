@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .base import Backend
 from .kv_cache import PagedKVCache
+from .torch_attention import attention_plan, paged_rows, rowwise_attention
 from .types import AttentionMetadata, LinearSpec, QuantizedWeight
 
 _INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
@@ -331,7 +332,8 @@ class TorchBackend(Backend):
         queries of the step together as two batched matmuls over their K/V, gathered and padded to the
         longest context (softmax in float32, padding masked): CPU SDPA takes ~10x longer for a batch of 32
         decode rows in bf16. K/V come from ``cache.gather`` (dequantized there for int8/int4 caches), in the
-        space of ``cache.attention_query(q)``; ``cache.attention_output`` maps the result back."""
+        space of ``cache.attention_query(q)``; ``cache.attention_output`` maps the result back. With
+        ``batch_invariant``: every row alone over exactly its keys (:func:`backends.torch_attention.rowwise_attention`)."""
         # a 16-bit cache on a CPU with the C++ extension: every row (prefill, chunked prefill, decode) in one call
         # that reads K/V in place through the block tables (decided once per step; such a cache has no calibrated
         # transform, so attention_query/attention_output are the identity)
@@ -339,30 +341,27 @@ class TorchBackend(Backend):
         if paged is None:
             fast = (self.ext is not None and not cache.spec.quantized and not self.batch_invariant
                     and cache.k[layer].dtype == q.dtype and meta.query_start[-1] == q.shape[0])
-            paged = meta.scratch["cpu_paged_attn"] = _paged_rows(meta) if fast else ()
+            paged = meta.scratch["cpu_paged_attn"] = paged_rows(meta) if fast else ()
         if paged:
             return self.ext.paged_attention(q, cache.k[layer], cache.v[layer], paged[0], meta.block_size, paged[1],
                                             paged[2], scale)
         kvh, d = cache.spec.num_kv_heads, cache.spec.head_dim
         q = cache.attention_query(layer, q)
+        if self.batch_invariant:
+            return cache.attention_output(layer, rowwise_attention(q, cache, layer, meta, scale))
         plan = meta.scratch.get("torch_attn")
         if plan is None:  # gather indices and masks are the same for every layer of the step
-            plan = meta.scratch["torch_attn"] = _attention_plan(meta, meta.block_size, q.device, self.batch_invariant)
+            plan = meta.scratch["torch_attn"] = attention_plan(meta, meta.block_size, q.device)
         singles, decode = plan
         out = q.new_empty(q.shape) if len(singles) > 1 or decode is not None else None
         for qs, qe, slots, mask, causal in singles:
             kb, vb = cache.gather(layer, slots)  # [KVH, ctx, D]
             if kb.dtype != q.dtype:
                 kb, vb = kb.to(q.dtype), vb.to(q.dtype)
-            if self.batch_invariant:
-                # the decode path's ops (matmul, float32 softmax, matmul) on all rows at once: a token's numbers
-                # are then the same whether it is prefilled, recomputed after a preemption or decoded
-                o = _masked_matmul_attention(q[qs:qe], kb, vb, mask, scale)
-            else:
-                qb = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
-                o = F.scaled_dot_product_attention(qb, kb.unsqueeze(0), vb.unsqueeze(0), attn_mask=mask,
-                                                   is_causal=causal, scale=scale, enable_gqa=True)
-                o = o.squeeze(0).transpose(0, 1)
+            qb = q[qs:qe].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
+            o = F.scaled_dot_product_attention(qb, kb.unsqueeze(0), vb.unsqueeze(0), attn_mask=mask,
+                                               is_causal=causal, scale=scale, enable_gqa=True)
+            o = o.squeeze(0).transpose(0, 1)
             if out is None:
                 return cache.attention_output(layer, o)
             out[qs:qe] = o
@@ -396,74 +395,6 @@ def _int8_tiled_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, tile:
         torch.mul(q[i:j], s[i:j], out=w)
         torch.mm(x, w.t(), out=y[:, i:j])
     return y
-
-
-def _paged_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inputs of the C++ ``paged_attention`` for a step: block tables int32 ``[num_seqs, max_blocks]`` (zero-padded),
-    the sequence of every query row and the number of tokens it sees (causal: a row at position ``p`` sees ``p + 1``),
-    int32 ``[T]`` each."""
-    bs = meta.block_size
-    nblocks = [(c + bs - 1) // bs for c in meta.context_lens]
-    width = max(nblocks, default=1)
-    tables = torch.tensor([list(meta.block_tables[b][:n]) + [0] * (width - n) for b, n in enumerate(nblocks)],
-                          dtype=torch.int32)
-    row_seq, row_len = [], []
-    for b in range(meta.num_seqs):
-        t, ctx = meta.query_start[b + 1] - meta.query_start[b], meta.context_lens[b]
-        row_seq += [b] * t
-        row_len += range(ctx - t + 1, ctx + 1)
-    return tables, torch.tensor(row_seq, dtype=torch.int32), torch.tensor(row_len, dtype=torch.int32)
-
-
-def _attention_plan(meta: AttentionMetadata, bs: int, device: torch.device, batch_invariant: bool = False):
-    """Per step: (single-sequence jobs, batched-decode job or None) for the torch path (no C++ extension, an
-    int8/int4 cache, or ``batch_invariant``)."""
-    singles, dec = [], []
-    for b in range(meta.num_seqs):
-        qs, qe = meta.query_start[b], meta.query_start[b + 1]
-        t, ctx = qe - qs, meta.context_lens[b]
-        table = torch.tensor(meta.block_tables[b][:(ctx + bs - 1) // bs], dtype=torch.long)
-        slots = (table.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)[:ctx]
-        if t == 1:
-            dec.append((qs, slots))
-            continue
-        mask = None
-        if t < ctx or batch_invariant:  # query j sits at position ctx - t + j and sees keys 0 .. ctx - t + j
-            rows = torch.arange(t, device=device).unsqueeze(1) + (ctx - t)
-            mask = torch.arange(ctx, device=device).unsqueeze(0) <= rows
-        singles.append((qs, qe, slots.to(device), mask, t == ctx))
-    decode = None
-    # one decode row: SDPA on its exact context, no mask (`python bench/kernels.py`: 50 vs 68 us at 64 tokens
-    # of context, but 115 vs 73 us at 192: the matmul path wins for longer chats; not re-tuned yet)
-    if len(dec) == 1 and not batch_invariant:
-        qs, slots = dec[0]
-        singles.append((qs, qs + 1, slots.to(device), None, False))
-    elif dec:
-        length = max(len(sl) for _, sl in dec)
-        idx = torch.empty(len(dec), length, dtype=torch.long)
-        pad = torch.zeros(1, len(dec), 1, length, dtype=torch.bool)  # True = padding, masked out
-        for i, (_, sl) in enumerate(dec):
-            idx[i, :len(sl)] = sl
-            idx[i, len(sl):] = sl[-1]  # pad with one of the row's own (written, finite) slots
-            pad[0, i, 0, len(sl):] = True
-        rows = torch.tensor([qs for qs, _ in dec], dtype=torch.long)
-        decode = (rows.to(device), idx.to(device), pad.to(device))
-    return singles, decode
-
-
-def _masked_matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                             scale: float) -> torch.Tensor:
-    """Causal attention of one sequence's ``q [t, H, D]`` over ``k, v [KVH, ctx, D]`` (``mask [t, ctx]``, True =
-    visible) with the batched-decode path's operations: bit-identical per row to that path (checked for bf16 on
-    CPU), used by ``batch_invariant``."""
-    t, h, d = q.shape
-    kvh = k.shape[0]
-    g = h // kvh
-    qb = q.view(t, kvh, g, d).permute(1, 0, 2, 3).reshape(kvh, t * g, d)
-    scores = torch.matmul(qb, k.transpose(-1, -2)).float().mul_(scale)  # [KVH, t*G, ctx]
-    scores.masked_fill_(~mask.repeat_interleave(g, 0), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, v).view(kvh, t, g, d).permute(1, 0, 2, 3).reshape(t, h, d)
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ def w4a16_checkpoint(model: str, group_size: int, given: str | None) -> tuple[st
     """The W4A16 checkpoint to benchmark: ``given``, or RTN of ``model`` made in a temporary folder."""
     if given:
         return given, None
-    from lite.quantize import QuantConfig, quantize_checkpoint
+    from lite.pipeline import QuantConfig, quantize_checkpoint
 
     tmp = tempfile.TemporaryDirectory()
     path = quantize_checkpoint(model, QuantConfig(w_group_size=group_size, work_dir=str(Path(tmp.name) / "w4a16")))

@@ -35,7 +35,7 @@ def main() -> None:
     from lite.formats import resolve_model
     from lite.kv_calibration import (_attend, fake_quantize_keys, fake_quantize_values, layer_qkv, pair_absmax,
                                      search_key_transform)
-    from lite.pipeline import LazyCheckpoint, _run_layer
+    from lite.layerwise import LazyCheckpoint, run_layer as _run_layer
 
     src = resolve_model(None)
     lazy = LazyCheckpoint(src, torch.device("cpu"))

@@ -55,7 +55,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from lite.pipeline import PipelineConfig, peak_memory_gib, quantize_model
+    from lite.layerwise import peak_memory_gib
+    from lite.pipeline import PipelineConfig, quantize_model
 
     src = Path(args.dir) / f"{args.shape}-{args.layers}l"
     if not (src / "config.json").is_file():

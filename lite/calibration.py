@@ -7,6 +7,7 @@ used, not dropped). Short documents therefore all count, and a long document spa
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 
 import torch
@@ -91,8 +92,6 @@ def calibration_samples(tokenizer, dataset: str = DEFAULT_CALIB_DATASET, n_sampl
     if not stream:
         raise LiteturboError(f"--calib-dataset {dataset} produced no tokens")
     if len(stream) < need:
-        import warnings
-
         warnings.warn(f"--calib-dataset {dataset} has only {len(stream)} tokens: {-(-len(stream) // seqlen)} "
                       f"windows instead of {n_samples} x {seqlen}; all of it is used")
     return [torch.tensor([stream[i:i + seqlen]], dtype=torch.long) for i in range(0, len(stream), seqlen)]

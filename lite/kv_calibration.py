@@ -25,8 +25,8 @@ rotation (on/off) minimising the relative error of the attention output on calib
 effectively reads them, then the value rotation the same way. The online mode (nothing on) is among the
 candidates, so the calibrated choice is never worse than online on the calibration text.
 
-:func:`calibrate_kv` runs the calibration text through the model layer by layer (the pipeline of
-:mod:`lite.pipeline`: a meta-device skeleton, one layer materialized at a time, 16-bit or W4A16 sources,
+:func:`calibrate_kv` runs the calibration text through the model layer by layer (:mod:`lite.layerwise`, the run
+kit of the weight pipeline: a meta-device skeleton, one layer materialized at a time, 16-bit or W4A16 sources,
 resumable per layer) and writes a complete checkpoint: the source's files hard-linked (copied across file
 systems), ``config.json`` with the ``liteturbo_kv_cache`` entry, the parameter file, and provenance in
 ``liteturbo_kv_calibration.json``.
@@ -47,8 +47,10 @@ from tqdm import tqdm
 
 from backends.kv_cache import KVQuantParams, dequantize_per_token, hadamard, quantize_per_token
 
+from .calibration import calibration_samples, check_calib_seqlen
 from .formats import (KV_CONFIG_FIELD, KV_PARAMS_FILE, LiteturboError, arch_spec, atomic_output_dir,
                       check_output_dir, kv_config_block, load_config, resolve_model, save_kv_params, write_json)
+from .layerwise import LazyCheckpoint, open_partial, peak_memory_gib, resolve_device, run_fingerprint, run_layer
 
 
 @dataclass
@@ -89,8 +91,6 @@ class KVCalibConfig:
 
     def torch_device(self) -> torch.device:
         """The compute device (``auto`` = cuda when available)."""
-        from .pipeline import resolve_device
-
         return resolve_device(self.device)
 
 
@@ -252,9 +252,6 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    from .calibration import calibration_samples, check_calib_seqlen
-    from .pipeline import LazyCheckpoint, _run_layer, open_partial, peak_memory_gib, run_fingerprint
-
     t0 = time.perf_counter()
     src = resolve_model(model)
     config = load_config(src)
@@ -309,7 +306,7 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
         v_rot.append(bool(t["v_rotate"][0]))
         report.append(dict(layer=i, **info))
         if i + 1 < n_layers:
-            inps = _run_layer(layer, inps, kws)
+            inps = run_layer(layer, inps, kws)
         lazy.release(layer)
         bar.set_postfix(alpha=f"{info['alpha']:.1f}", k_err=f"{info['loss']:.1e}/{info['online_loss']:.1e}",
                         v_err=f"{info['v_loss']:.1e}/{info['v_online_loss']:.1e}")

@@ -96,3 +96,28 @@ def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, c
     phases = [("capture", capture), ("layer forward", forward), ("layer search", layer)]
     phase, parts = max(phases, key=lambda p: sum(p[1].values()))
     return QuantizeMemory(sum(parts.values()), phase, parts)
+
+
+def quantize_fit(config: dict, method: str, calib_samples: int, calib_seqlen: int, room: int, device: str,
+                 compute_bytes: int = 2) -> dict:
+    """Whether ``liteturbo lite <method>`` fits in ``room`` bytes of ``device`` (the quantization line of
+    ``liteturbo plan``), JSON-ready: ``method``, ``calib_samples`` / ``calib_seqlen`` (0 for ``rtn``, which reads
+    no calibration data), ``device``, ``peak`` / ``phase`` / ``parts`` (:func:`quantize_peak`), ``room``, ``fits``
+    and ``advice`` when it does not fit (the largest ``--calib-samples`` halved from the asked number, at least 8,
+    that fits; else quantizing on the CPU). Raises ``ValueError`` as :func:`quantize_peak` does."""
+    def peak(n: int) -> QuantizeMemory:
+        return quantize_peak(config, method, n, calib_seqlen, compute_bytes=compute_bytes)
+
+    q = peak(calib_samples)
+    advice = ""
+    if q.peak > room and method != "rtn":
+        n = calib_samples
+        while n > 8 and peak(n).peak > room:
+            n //= 2
+        advice = f"--calib-samples {n} fits" if peak(n).peak <= room else \
+            "quantize on the CPU (--device cpu) where RAM allows"
+    if method == "rtn":
+        calib_samples = calib_seqlen = 0
+    return {"method": method, "calib_samples": calib_samples, "calib_seqlen": calib_seqlen, "device": device,
+            "peak": q.peak, "phase": q.phase, "parts": q.parts, "room": room, "fits": q.peak <= room,
+            "advice": advice}

@@ -13,13 +13,15 @@
 
 ``resume=True`` reuses the finished layer files of an interrupted run with the same options; the finished
 layers are only re-run forward (from their saved tensors), so the result is identical to an uninterrupted run.
+
+The run kit (the lazy checkpoint, the ``.partial`` folder, the layer runner) is :mod:`lite.layerwise`, shared with
+:mod:`lite.kv_calibration`. :func:`quantize_checkpoint` (with :class:`QuantConfig`) is the RTN shorthand.
 """
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import json
 import os
-import resource
 import shutil
 import sys
 import time
@@ -32,11 +34,14 @@ from tqdm import tqdm
 
 from backends.types import QuantizedWeight
 
+from .calibration import calibration_samples, check_calib_seqlen
 from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_dir, check_output_dir,
                       copy_tokenizer_files, load_config, resolve_model, write_json)
-from .formats.checkpoint import config_mismatch, weight_files
 from .formats.registry import WEIGHT_FORMATS, FormatOptions, weight_format
-from .methods import METHODS, LayerBatch, _Stop, compute_dtype
+from .layerwise import LazyCheckpoint, open_partial, peak_memory_gib, resolve_device, run_fingerprint
+from .methods import METHODS, LayerBatch, compute_dtype
+from .rotation import ResidualRotation
+from .rtn import quantize_rtn
 
 FORMATS = tuple(WEIGHT_FORMATS)
 
@@ -138,173 +143,27 @@ class PipelineConfig:
         return run_fingerprint(asdict(self), source)
 
 
-def resolve_device(device: str) -> torch.device:
-    """``--device`` of a lite command → torch device (``auto`` = cuda when available). Raises ``LiteturboError``
-    when cuda is asked for without a GPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise LiteturboError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
-    return torch.device(device)
-
-
-def run_fingerprint(options: dict, source: Path) -> str:
-    """Hash of a run's options and the source weights' names/sizes/mtimes (what ``--resume`` must match)."""
-    files = [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in weight_files(source)]
-    blob = json.dumps({"cfg": options, "src": str(source.resolve()), "files": files}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def open_partial(out: Path, fingerprint: str, state: dict, resume: bool) -> Path:
-    """The ``<out>.partial`` folder that keeps finished layers of a run: reused when ``resume`` and its
-    fingerprint matches (``LiteturboError`` when it does not), otherwise started empty; ``state`` (with the
-    fingerprint) is written to its ``state.json``."""
-    partial = out.parent / f"{out.name}.partial"
-    state_file = partial / "state.json"
-    if partial.exists():
-        old = json.loads(state_file.read_text()) if state_file.is_file() else {}
-        if resume and old.get("fingerprint") != fingerprint:
-            raise LiteturboError(f"{partial} was made with different options or source weights; rerun without "
-                                 f"--resume to start over")
-        if not resume:
-            shutil.rmtree(partial)
-    elif resume:
-        print(f"[liteturbo] nothing to resume in {partial}; starting from layer 0", file=sys.stderr)
-    partial.mkdir(parents=True, exist_ok=True)
-    write_json(state_file, dict(state, fingerprint=fingerprint))
-    return partial
-
-
-# ----------------------------------------------------------------------------------------------------
-class LazyCheckpoint:
-    """A meta-device HF model whose tensors are read from safetensors on demand (accelerate).
-
-    A W4A16 source (any format :mod:`lite.formats.quantized` reads) is accepted: its decoder linears are
-    dequantized to float32 when their layer is materialized (used by ``calibrate-kv``)."""
-
-    def __init__(self, path: Path, device: torch.device) -> None:
-        from accelerate import init_empty_weights
-        from safetensors import safe_open
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from .formats import quantization_spec
-
-        self.path, self.device = path, device
-        self.qspec = quantization_spec(load_config(path))
-        try:
-            cfg = AutoConfig.from_pretrained(str(path))
-            if self.qspec is not None:  # built as the 16-bit model; weights come dequantized
-                cfg.quantization_config = None
-                del cfg.quantization_config
-            with init_empty_weights():
-                self.model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        except Exception as e:  # transformers raises many types for malformed configs
-            raise LiteturboError(f"transformers cannot build the model from {path / 'config.json'}: {e}") from e
-        self.model.eval()
-        self.files = {}
-        self.where: dict[str, str] = {}
-        for f in weight_files(path):
-            try:
-                h = safe_open(str(f), "pt")
-            except Exception as e:  # SafetensorError, OSError
-                raise LiteturboError(f"cannot read {f}: {e}; the file is damaged or not safetensors") from e
-            self.files[str(f)] = h
-            for k in h.keys():
-                self.where[k] = str(f)
-        self.layers = self.model.model.layers
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """One tensor of the source checkpoint (CPU, stored dtype)."""
-        if name not in self.where:
-            raise LiteturboError(f"checkpoint {self.path} lacks tensor {name!r}")
-        return self.files[self.where[name]].get_tensor(name)
-
-    def check_shapes(self) -> None:
-        """Raise ``LiteturboError`` (the message ``turbo`` gives) when the weights do not match config.json: a
-        tensor of another shape, a missing tensor, or decoder layers beyond ``num_hidden_layers``."""
-        n_layers = len(self.layers)
-        extra = sorted({k.split(".")[2] for k in self.where if k.startswith("model.layers.")}
-                       - {str(i) for i in range(n_layers)}, key=lambda s: (len(s), s))
-        if extra:
-            raise LiteturboError(f"the weights hold decoder layers beyond num_hidden_layers={n_layers} in config.json "
-                                 f"(e.g. layer {extra[0]}); config.json does not belong to these weights")
-        for name, p in self.model.named_parameters():
-            if name not in self.where:
-                if name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False):
-                    continue
-                raise LiteturboError(f"checkpoint {self.path} lacks tensor {name!r} (an incomplete copy or download, "
-                                     f"or a config.json that does not belong to these weights)")
-            shape = tuple(self.files[self.where[name]].get_slice(name).get_shape())
-            if shape != tuple(p.shape):
-                raise config_mismatch(name, shape, tuple(p.shape))
-
-    def materialize(self, module: torch.nn.Module, prefix: str) -> None:
-        """Load ``module``'s parameters (``prefix.name``) onto the device in float32 (quantized linears of a
-        W4A16 source dequantized)."""
-        from accelerate.utils import set_module_tensor_to_device
-
-        for n, _ in list(module.named_parameters()):
-            key = f"{prefix}.{n}"
-            if key not in self.where and self.qspec is not None and n.endswith(".weight"):
-                value = self._dequantized(key[: -len(".weight")])
-            else:
-                value = self.tensor(key).float()
-            set_module_tensor_to_device(module, n, self.device, value=value)
-
-    def _dequantized(self, prefix: str) -> torch.Tensor:
-        """float32 ``[out, in]`` weight of the quantized linear ``prefix``."""
-        from .formats import load_quantized_linears
-
-        tensors = {k: self.tensor(k) for k in self.where if k.startswith(prefix + ".") and k != f"{prefix}.bias"}
-        qws = load_quantized_linears(tensors, self.qspec)
-        if prefix not in qws:
-            raise LiteturboError(f"checkpoint {self.path} lacks tensor {prefix + '.weight'!r} (nor its quantized form)")
-        return qws[prefix].dequantize(torch.float32)
-
-    def release(self, module: torch.nn.Module) -> None:
-        """Drop ``module``'s weights (back to meta)."""
-        module.to("meta")
-
-    def capture_inputs(self, samples: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dict]]:
-        """Hidden states entering layer 0 and its keyword arguments (rotary, mask), per sample."""
-        m = self.model.model
-        self.materialize(m.embed_tokens, "model.embed_tokens")
-        m.rotary_emb.to(self.device)
-        store: list = []
-
-        def hook(_mod, args, kwargs):
-            h = args[0] if args else kwargs.pop("hidden_states")
-            kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-            store.append((h.detach(), kw))
-            raise _Stop
-
-        handle = self.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            with torch.no_grad():
-                for s in samples:
-                    try:
-                        m(input_ids=s.to(self.device), use_cache=False)
-                    except _Stop:
-                        pass
-        finally:
-            handle.remove()
-        self.release(m.embed_tokens)
-        return [h for h, _ in store], [kw for _, kw in store]
-
-
-def _run_layer(layer, inps, kws) -> list[torch.Tensor]:
-    """The layer's float32 outputs for every sample (``calibrate-kv`` propagates in float32)."""
-    return LayerBatch(inps, kws, torch.float32).run(layer)
+def check_group_size(state_dict: dict, names: list[str], group_size: int) -> None:
+    """Raise ``LiteturboError`` naming the first layer whose in_features is not divisible by ``group_size`` (or whose
+    out_features is not a multiple of 8). ``state_dict``: name → anything with ``.shape`` ``[out, in]``; ``names``:
+    module paths of the linears (``<name>.weight`` in ``state_dict``)."""
+    if group_size == -1:
+        return
+    for p in names:
+        out_f, in_f = state_dict[f"{p}.weight"].shape
+        if in_f % group_size:
+            good = [g for g in (128, 64, 32) if all(state_dict[f"{n}.weight"].shape[1] % g == 0 for n in names)]
+            hint = f"; use --w-group-size {good[0]}" if good else "; use --w-group-size -1 (per-channel)"
+            raise LiteturboError(f"layer {p} has in_features={in_f}, which is not divisible by the group size "
+                                 f"{group_size}{hint}")
+        if out_f % 8:
+            raise LiteturboError(f"layer {p} has out_features={out_f}, not a multiple of 8 as AWQ GEMM packing needs")
 
 
 def _sanitize(layer, idx: int, qws: dict[str, QuantizedWeight], cfg: PipelineConfig,
               dtypes: dict[str, torch.dtype]) -> dict[str, QuantizedWeight]:
     """Never write NaN/inf: a weight whose scales came out non-finite is re-quantized with RTN, and a float
     tensor that is not finite in its checkpoint dtype (``dtypes``, by full name) is clamped to it (both warned)."""
-    import warnings
-
-    from .rtn import quantize_rtn
-
     min_zero = weight_format(cfg.out_format).min_zero(bool(cfg.w_sym))
     for n, qw in qws.items():
         if not torch.isfinite(qw.scales.float()).all():
@@ -359,13 +218,6 @@ def _load_layer_tensors(layer, idx: int, tensors: dict[str, torch.Tensor], cfg: 
             raise LiteturboError(f"saved layer {idx} lacks {key}; delete the .partial folder and start again")
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak resident memory of this process (CPU) or peak allocated CUDA memory, GiB."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwrite: bool = False,
                    resume: bool = False, stop_after_layers: int | None = None) -> Path:
     """Run the layer-wise pipeline and write the quantized checkpoint to ``work_dir``; returns its path.
@@ -375,9 +227,6 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     """
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
-
-    from .calibration import calibration_samples, check_calib_seqlen
-    from .quantize import check_group_size
 
     t0 = time.perf_counter()
     src = resolve_model(model)
@@ -405,8 +254,6 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     method = METHODS[cfg.method](cfg, config["model_type"], fmt.min_zero(bool(cfg.w_sym)))
     rotation = None
     if cfg.rotate:
-        from .rotation import ResidualRotation
-
         rotation = ResidualRotation(int(config["hidden_size"]), config["model_type"], cfg.seed)
     cdtype = compute_dtype(cfg.compute_dtype, device)
 
@@ -525,8 +372,6 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
 
 def _on_cpu(qw: QuantizedWeight) -> QuantizedWeight:
     """``qw`` with every tensor on the CPU (methods may return them on the run's device)."""
-    import dataclasses
-
     return dataclasses.replace(qw, **{f.name: getattr(qw, f.name).cpu() for f in dataclasses.fields(qw)
                                       if isinstance(getattr(qw, f.name), torch.Tensor)})
 
@@ -541,3 +386,38 @@ class _Shape:
 def _dtype(name: str) -> torch.dtype:
     return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}.get(
         name, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The RTN shorthand: the options of ``liteturbo lite rtn`` into an AWQ GEMM checkpoint, through quantize_model.
+@dataclass
+class QuantConfig:
+    """Options of an RTN run through :func:`quantize_checkpoint` (validated on construction).
+
+    w_bits: bits per weight (the AWQ GEMM format stores 4). w_group_size: input channels per group, or -1.
+    w_sym: symmetric (no zero point). work_dir: output checkpoint folder. overwrite: replace ``work_dir``.
+    """
+
+    w_bits: int = 4
+    w_group_size: int = 128
+    w_sym: bool = False
+    work_dir: str = "./work_dir"
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.w_bits != 4:
+            raise LiteturboError(f"--w-bits {self.w_bits} is not supported: the AWQ GEMM format stores 4-bit weights")
+        if self.w_group_size != -1 and (self.w_group_size < 8 or self.w_group_size % 8):
+            raise LiteturboError(f"--w-group-size must be -1 or a positive multiple of 8, got {self.w_group_size}")
+
+
+def quantize_checkpoint(model: str | None, qcfg: QuantConfig, method: str = "rtn") -> Path:
+    """Round-to-nearest quantization of ``model`` on the CPU into an AWQ GEMM checkpoint at ``qcfg.work_dir``;
+    returns its path. :func:`quantize_model` with ``PipelineConfig(method="rtn", out_format="awq", device="cpu")``.
+    Raises ``LiteturboError`` for bad input, before any work.
+    """
+    if method != "rtn":
+        raise LiteturboError(f"quantize_checkpoint runs rtn only; use lite.pipeline.quantize_model for {method}")
+    cfg = PipelineConfig(method="rtn", w_bits=qcfg.w_bits, w_group_size=qcfg.w_group_size, w_sym=qcfg.w_sym,
+                         out_format="awq", device="cpu")
+    return quantize_model(model, cfg, qcfg.work_dir, overwrite=qcfg.overwrite)

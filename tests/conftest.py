@@ -63,7 +63,7 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def smollm2_rtn_g64(smollm2_path, tmp_path_factory):
     """SmolLM2 quantized with RTN W4A16 g64 by the CLI code path."""
-    from lite.quantize import QuantConfig, quantize_checkpoint
+    from lite.pipeline import QuantConfig, quantize_checkpoint
 
     out = tmp_path_factory.mktemp("rtn") / "smollm2-w4g64"
     return quantize_checkpoint(str(smollm2_path), QuantConfig(w_bits=4, w_group_size=64, work_dir=str(out)))

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from lite.formats import LiteturboError, resolve_model
-from lite.quantize import QuantConfig, quantize_checkpoint
+from lite.pipeline import QuantConfig, quantize_checkpoint
 from turbo.cli import main
 
 

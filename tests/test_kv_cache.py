@@ -254,7 +254,7 @@ def test_calibration_keys_are_the_keys_transformers_caches(tmp_path):
     import transformers
 
     from lite.kv_calibration import layer_qkv
-    from lite.pipeline import LazyCheckpoint
+    from lite.layerwise import LazyCheckpoint
 
     for cls, extra in ((transformers.LlamaConfig, {}), (transformers.Qwen3Config, dict(head_dim=16))):
         torch.manual_seed(0)
@@ -282,7 +282,7 @@ def test_calibration_keys_are_the_keys_transformers_caches(tmp_path):
 
 def test_calibrate_kv_reads_a_w4a16_checkpoint(tmp_path):
     from lite.kv_calibration import KVCalibConfig, calibrate_kv
-    from lite.quantize import QuantConfig, quantize_checkpoint
+    from lite.pipeline import QuantConfig, quantize_checkpoint
 
     src = build_key_outlier_model(tmp_path / "outlier")
     q = quantize_checkpoint(str(src), QuantConfig(w_bits=4, w_group_size=32, work_dir=str(tmp_path / "w4")))

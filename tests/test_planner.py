@@ -139,7 +139,7 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def tiny_family_models(tmp_path_factory):
-    from lite.quantize import QuantConfig, quantize_checkpoint
+    from lite.pipeline import QuantConfig, quantize_checkpoint
 
     root = tmp_path_factory.mktemp("planner-tiny")
     out = {}

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from turbo import Engine, EngineConfig, GenerationConfig
 from turbo.cli import main
-from turbo.serve.app import UNLIKELY_LOGPROB, create_app
+from turbo.serve.app import create_app
+from turbo.serve.responses import UNLIKELY_LOGPROB
 
 from conftest import serve_in_thread
 

@@ -14,7 +14,7 @@ import transformers
 
 pytest.importorskip("triton")
 
-from lite.quantize import QuantConfig, quantize_checkpoint  # noqa: E402
+from lite.pipeline import QuantConfig, quantize_checkpoint  # noqa: E402
 from turbo import Engine, EngineConfig  # noqa: E402
 
 from conftest import usable_backends  # noqa: E402

@@ -1,16 +1,24 @@
-"""The ``liteturbo`` command line: ``liteturbo lite rtn|auto-awq|gptq|calibrate-kv|eval-ppl``, ``liteturbo chat``,
-``liteturbo serve`` (the HTTP API, :mod:`turbo.serve`) and ``liteturbo env`` (hardware, versions, backends and
-their op coverage)."""
+"""The ``liteturbo`` command line: ``liteturbo chat``, ``liteturbo serve`` (the HTTP API, :mod:`turbo.serve`),
+``liteturbo plan`` (will a model fit: :mod:`turbo.plan`), ``liteturbo env`` (hardware, versions, backends and their
+op coverage) and ``liteturbo lite ...``: the quantizer's group from :mod:`lite.cli`, mounted here with one command
+added, ``lite eval-ppl`` (perplexity through turbo's engine, :mod:`turbo.perplexity`).
+"""
 from __future__ import annotations
 
+import importlib.metadata as md
+import json
+import os
+import platform as pyplat
 import sys
-from functools import wraps
+from pathlib import Path
 
 import click
 
+import calib_data
+from lite.cli import DEFAULT_MODEL, friendly_errors, lite
 from lite.formats import LiteturboError
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from lite.formats.checkpoint import weight_files
+from lite.memory import quantize_fit
 
 
 def _kv_options(fn):
@@ -51,26 +59,12 @@ def kv_summary(engine) -> str:
             f"({st['kv_cache_bytes'] / 2**20:.1f} MiB)")
 
 
-def friendly_errors(fn):
-    """Print ``LiteturboError`` as one line on stderr and exit 2, without a traceback."""
-    @wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except LiteturboError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-    return wrapper
-
-
 @click.group()
 def main() -> None:
     """liteturbo: quantize LLMs (lite) and run them (turbo) on constrained hardware."""
 
 
-@main.group()
-def lite() -> None:
-    """Offline quantization."""
+main.add_command(lite)
 
 
 @lite.command("eval-ppl")
@@ -92,9 +86,6 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backen
 
     Windows are scored in chunks through the engine's paged KV cache, so with --kv-cache-dtype int8/int4 every
     token attends to the earlier tokens' keys and values as the quantized cache returns them."""
-    import json as _json
-
-    import calib_data
     from turbo import Engine, EngineConfig
     from turbo.perplexity import perplexity
 
@@ -108,172 +99,12 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backen
     r = perplexity(engine, calib_data.eval_text(dataset), seqlen, max_windows, progress=not as_json)
     st = engine.stats()
     if as_json:
-        click.echo(_json.dumps({"ppl": r["ppl"], "tokens": r["tokens"], "seconds": r["seconds"],
+        click.echo(json.dumps({"ppl": r["ppl"], "tokens": r["tokens"], "seconds": r["seconds"],
                                 "kv_cache_dtype": st["kv_cache_dtype"], "kv_calibrated": st["kv_calibrated"]}))
     else:
         cal = ", calibrated keys" if st["kv_calibrated"] else ""
         click.echo(f"{model}: {dataset} PPL {r['ppl']:.3f} over {r['windows']} window{'s' if r['windows'] != 1 else ''} of {seqlen} tokens, "
                    f"KV cache {st['kv_cache_dtype']}{cal} ({r['seconds']:.0f} s)")
-
-
-def _weight_options(fn):
-    """Options every weight-quantization command takes (names as LMDeploy's ``lite`` uses them)."""
-    opts = [
-        click.option("--w-bits", default=4, show_default=True, help="Bits per weight."),
-        click.option("--w-group-size", default=128, show_default=True,
-                     help="Input channels per group (-1: per channel). SmolLM2-135M needs 64."),
-        click.option("--w-sym/--w-asym", default=None,
-                     help="Symmetric (no zero point) or asymmetric. Default: what the --format's readers load "
-                          "(gptq: symmetric; awq, compressed-tensors: zero point)."),
-        click.option("--format", "out_format", default=None, type=click.Choice(list(_formats())),
-                     help="Output format (default: awq, or gptq for the gptq command). docs/formats.md says who "
-                          "reads each."),
-        click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto."),
-        click.option("--compute-dtype", default="auto", show_default=True,
-                     type=click.Choice(["auto", "bfloat16", "float32"]),
-                     help="dtype of the calibration forwards (auto: bfloat16 where native; solvers stay float32)."),
-        click.option("--work-dir", default="./work_dir", show_default=True, help="Output checkpoint folder."),
-        click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at --work-dir."),
-        click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer."),
-        click.option("--mse-scales/--no-mse-scales", default=False, show_default=True,
-                     help="Group scales/zero points by the smallest rounding error over ranges shrunk up to 20 %."),
-        click.option("--rotate", is_flag=True,
-                     help="Fold a random rotation of the residual stream into the weights first (QuaRot R1; a "
-                          "standard checkpoint, with the output head untied)."),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
-
-
-def _formats():
-    from lite.formats.registry import WEIGHT_FORMATS
-
-    return WEIGHT_FORMATS
-
-
-def _calib_options(fn):
-    """Options of the calibrated methods: the weight options plus the calibration data."""
-    opts = [
-        click.option("--calib-dataset", default="c4", show_default=True,
-                     help="Bundled name (c4, wikitext2, zh) or a .txt/.jsonl/.parquet file or datasets folder."),
-        click.option("--calib-samples", default=128, show_default=True, help="Calibration windows."),
-        click.option("--calib-seqlen", default=512, show_default=True, help="Tokens per calibration window."),
-        click.option("--seed", default=42, show_default=True, help="Seed of the calibration sample."),
-        click.option("--tune-steps", default=0, show_default=True,
-                     help="Block-wise tuning of rounding and group scales after the method (AutoRound-style; 0: "
-                          "off; slower, better)."),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return _weight_options(fn)
-
-
-def _order_options(fn):
-    """GPTQ rounding options (``gptq`` and ``auto-awq --rounding gptq``): column order and dampening."""
-    opts = [
-        click.option("--act-order/--no-act-order", default=False, show_default=True,
-                     help="Quantize columns by descending Hessian diagonal (desc_act; writes g_idx)."),
-        click.option("--static-groups", is_flag=True,
-                     help="With --act-order: groups fixed before reordering (no g_idx needed: any --format)."),
-        click.option("--damp-percent", default=0.01, show_default=True,
-                     help="GPTQ dampening added to diag(H), fraction of its mean."),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
-
-
-@lite.command("rtn")
-@click.argument("model", required=False, default=DEFAULT_MODEL)
-@_weight_options
-@friendly_errors
-def rtn(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-        mse_scales, rotate) -> None:
-    """Round-to-nearest W4A16 quantization of MODEL (name or checkpoint folder); no calibration data."""
-    from lite.pipeline import PipelineConfig, quantize_model
-
-    cfg = PipelineConfig(method="rtn", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
-                         device=device, compute_dtype=compute_dtype, mse_scales=mse_scales, rotate=rotate)
-    quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
-
-
-@lite.command("auto-awq")
-@click.argument("model", required=False, default=DEFAULT_MODEL)
-@_calib_options
-@click.option("--n-grid", default=20, show_default=True, help="Scale-search grid size.")
-@click.option("--no-clip", is_flag=True, help="Skip the weight-clipping search.")
-@click.option("--rounding", type=click.Choice(["rtn", "gptq"]), default="rtn", show_default=True,
-              help="Rounding after AWQ scaling/clipping: rtn (the paper) or gptq (error-compensating).")
-@_order_options
-@friendly_errors
-def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-             mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, n_grid, no_clip, rounding, act_order,
-             static_groups, damp_percent) -> None:
-    """AWQ W4A16 (Lin et al. 2024): activation-aware scales and clipping, layer by layer."""
-    from lite.pipeline import PipelineConfig, quantize_model
-
-    cfg = PipelineConfig(method="awq", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
-                         calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                         seed=seed, device=device, compute_dtype=compute_dtype, n_grid=n_grid, clip=not no_clip,
-                         awq_rounding=rounding, act_order=act_order, static_groups=static_groups,
-                         damp_percent=damp_percent, mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps)
-    quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
-
-
-@lite.command("gptq")
-@click.argument("model", required=False, default=DEFAULT_MODEL)
-@_calib_options
-@_order_options
-@click.option("--true-sequential/--no-true-sequential", default=True, show_default=True)
-@friendly_errors
-def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-         mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, act_order, static_groups, damp_percent,
-         true_sequential) -> None:
-    """GPTQ W4A16 (Frantar et al. 2023): Hessian-aware rounding, layer by layer."""
-    from lite.pipeline import PipelineConfig, quantize_model
-
-    cfg = PipelineConfig(method="gptq", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
-                         calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                         seed=seed, device=device, compute_dtype=compute_dtype, act_order=act_order,
-                         static_groups=static_groups, damp_percent=damp_percent, true_sequential=true_sequential,
-                         mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps)
-    quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
-
-
-lite.add_command(gptq, "auto-gptq")
-
-
-@lite.command("calibrate-kv")
-@click.argument("model", required=False, default=DEFAULT_MODEL)
-@click.option("--calib-dataset", default="c4", show_default=True,
-              help="Bundled name (c4, wikitext2, zh) or a .txt/.jsonl/.parquet file or datasets folder.")
-@click.option("--calib-samples", default=128, show_default=True, help="Calibration windows.")
-@click.option("--calib-seqlen", default=512, show_default=True, help="Tokens per calibration window.")
-@click.option("--seed", default=42, show_default=True, help="Seed of the calibration sample.")
-@click.option("--kv-bits", default=4, show_default=True, type=click.Choice(["4", "8"]),
-              help="Cache bits the search targets (the parameters serve int8 and int4).")
-@click.option("--search-windows", default=8, show_default=True, help="Windows the per-layer search scores.")
-@click.option("--rotation/--no-rotation", default=True, show_default=True,
-              help="Also try Hadamard rotations of keys and values (power-of-two head sizes).")
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
-@click.option("--work-dir", default="./work_dir", show_default=True, help="Output checkpoint folder.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at --work-dir.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
-@friendly_errors
-def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bits, search_windows, rotation, device,
-                 work_dir, overwrite, resume) -> None:
-    """Calibrated int8/int4 KV cache: per-layer key shift, per-channel key scales and Hadamard rotations of keys
-    and values, searched on the attention error (docs/kv-cache.md).
-
-    MODEL may be 16-bit or W4A16; the output is MODEL's files plus the KV parameters, usable as MODEL by every
-    command (the engine applies them with --kv-cache-dtype int8/int4)."""
-    from lite.kv_calibration import KVCalibConfig, calibrate_kv as run
-
-    cfg = KVCalibConfig(calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
-                        seed=seed, kv_bits=int(kv_bits), search_windows=search_windows, rotation=rotation,
-                        device=device)
-    run(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 
 @main.command()
@@ -460,8 +291,6 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
     quantized), a folder with only config.json, or a config.json file; nothing is loaded. Prints weights by part,
     workspace, KV bytes per token, pool tokens, sessions at once, whether it fits, the options to serve it, and
     whether `liteturbo lite` can quantize it there (docs/deploy-24gb.md)."""
-    import json as _json
-
     from turbo import plan as planner
 
     if calib_samples < 1 or calib_seqlen < 1:
@@ -472,36 +301,19 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
         session_len=session_len, max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size, max_kv_tokens=max_kv_tokens)
     if quantize_first:  # the lite side: can this device run the layer-by-layer pipeline for it?
-        from lite.memory import quantize_peak
-
         import torch
 
         from lite.methods import compute_dtype
 
         # lite's calibration forwards run in bfloat16 on GPUs and CPUs that multiply it natively, else float32
         cpu_f32 = p.device == "cpu" and compute_dtype("auto", torch.device("cpu")) == torch.float32
-        cbytes = 4 if cpu_f32 else 2
         try:
-            q = quantize_peak(p.raw_config, quant_method, calib_samples, calib_seqlen, compute_bytes=cbytes)
+            p.quantization = quantize_fit(p.raw_config, quant_method, calib_samples, calib_seqlen,
+                                          p.budget - p.reserve, p.device, compute_bytes=4 if cpu_f32 else 2)
         except ValueError as e:
             raise LiteturboError(str(e)) from None
-        room = p.budget - p.reserve
-        if quant_method == "rtn":
-            calib_samples = calib_seqlen = 0
-        advice = ""
-        if q.peak > room and quant_method != "rtn":
-            n = calib_samples
-            while n > 8 and quantize_peak(p.raw_config, quant_method, n, calib_seqlen, compute_bytes=cbytes).peak > room:
-                n //= 2
-            if quantize_peak(p.raw_config, quant_method, n, calib_seqlen, compute_bytes=cbytes).peak <= room:
-                advice = f"--calib-samples {n} fits"
-            else:
-                advice = "quantize on the CPU (--device cpu) where RAM allows"
-        p.quantization = {"method": quant_method, "calib_samples": calib_samples, "calib_seqlen": calib_seqlen,
-                          "device": p.device, "peak": q.peak, "phase": q.phase, "parts": q.parts,
-                          "room": room, "fits": q.peak <= room, "advice": advice}
     if as_json:
-        click.echo(_json.dumps(p.to_dict(), indent=2))
+        click.echo(json.dumps(p.to_dict(), indent=2))
         return
     click.echo(p.table())
     if not p.fits:
@@ -511,10 +323,6 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
     if p.weight_bits == 8:
         click.echo("commands: none (liteturbo writes and loads 4-bit checkpoints; W8A16 is shown for comparison)")
         return
-    from pathlib import Path
-
-    from lite.formats.checkpoint import weight_files
-
     bare = Path(model).is_file() or (Path(model).is_dir() and not weight_files(Path(model)))
     src = f"<16-bit {p.model} checkpoint>" if bare else model
     if quantize_first:
@@ -534,10 +342,6 @@ def env_report(device: str = "auto") -> dict:
     ``device``) and ``backends`` (every registered
     backend: ``usable``, ``reason`` when not, ``default``, ``ops``: its op coverage on that platform).
     Raises ``LiteturboError`` for an unknown device or one this machine lacks."""
-    import importlib.metadata as md
-    import os
-    import platform as pyplat
-
     import psutil
     import torch
 
@@ -656,10 +460,8 @@ def format_env(r: dict) -> str:
 def env(device, as_json) -> None:
     """The hardware, library versions and every backend: usable here or why not, and which implementation runs
     each op."""
-    import json as _json
-
     r = env_report(device)
-    click.echo(_json.dumps(r, indent=2) if as_json else format_env(r))
+    click.echo(json.dumps(r, indent=2) if as_json else format_env(r))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class EngineConfig:
     CPU), ``"cpu"``, ``"cuda[:N]"``, ``"npu[:N]"``; resolved by :func:`backends.platform.current_platform`. dtype:
     compute dtype, ``"auto"`` = the platform's default (bfloat16 where native, else float16 on accelerators and
     float32 on CPUs).
-    block_size: tokens per KV block. KV pool size (accounting in :mod:`turbo.planner`), at most one of:
+    block_size: tokens per KV block. KV pool size (accounting in :mod:`turbo.core.planner`), at most one of:
     ``num_blocks``; ``kv_cache_gib`` (absolute); ``cache_max_entry_count`` (fraction of the memory left after the
     weights and a step's workspace: free GPU/NPU memory, or available RAM on CPU, as LMDeploy's option);
     ``max_kv_tokens`` (rounded up to whole blocks); none set: 0.9 of that memory on GPUs/NPUs, 16,384 tokens on
@@ -160,72 +160,141 @@ class EngineConfig:
         return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.torch_dtype()]
 
 
+@dataclass(frozen=True)
+class SamplingField:
+    """One sampling / stopping option of a request, as both the library and the HTTP API read it.
+
+    api: its name in the HTTP API (``None``: library only); keyword: the :class:`GenerationConfig` field. kind:
+    ``"int"``, ``"float"`` (finite), ``"bool"``, ``"strs"`` (non-empty strings) or ``"ids"`` (token ids >= 0).
+    default: the library's default (the HTTP API sets OpenAI's for ``temperature`` and ``max_tokens``). lo / hi:
+    bounds (``None``: unbounded; ``lo_open`` / ``hi_open``: exclusive); a ``hi`` that is a string names another
+    keyword, checked once every option is known. optional: ``None`` is allowed. api_aliases: other API names of
+    the same option (given together, they must agree). api_off: an API value that means off (the default).
+    """
+
+    api: str | None
+    keyword: str
+    kind: str
+    default: object = None
+    lo: float | None = None
+    hi: float | str | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    optional: bool = False
+    api_aliases: tuple[str, ...] = ()
+    api_off: int | None = None
+
+
+# the one owner of the sampling rules: GenerationConfig.__post_init__ and the HTTP request layer
+# (turbo/serve/protocol.py) both read this table; the order is the order the API reads and shows them
+SAMPLING_FIELDS = (
+    SamplingField("max_tokens", "max_new_tokens", "int", 256, lo=1, api_aliases=("max_completion_tokens",)),
+    SamplingField("temperature", "temperature", "float", 0.0, lo=0),
+    SamplingField("top_p", "top_p", "float", 1.0, lo=0, hi=1, lo_open=True),
+    SamplingField("min_p", "min_p", "float", 0.0, lo=0, hi=1),
+    SamplingField("presence_penalty", "presence_penalty", "float", 0.0, lo=-2, hi=2),  # OpenAI's and vLLM's range
+    SamplingField("frequency_penalty", "frequency_penalty", "float", 0.0, lo=-2, hi=2),
+    SamplingField("repetition_penalty", "repetition_penalty", "float", 1.0, lo=0, lo_open=True),
+    SamplingField("top_k", "top_k", "int", 0, lo=0, api_off=-1),  # -1: vLLM's spelling of off
+    SamplingField("stop", "stop", "strs", ()),
+    SamplingField("stop_token_ids", "stop_token_ids", "ids", ()),
+    SamplingField("seed", "seed", "int", None, lo=0, hi=2**63, hi_open=True, optional=True),
+    SamplingField("ignore_eos", "ignore_eos", "bool", False),
+    SamplingField("min_tokens", "min_new_tokens", "int", 0, lo=0, hi="max_new_tokens"),
+    SamplingField(None, "logprobs", "int", 0, lo=0, hi=20),  # the HTTP API's logprobs are a response option
+)
+SAMPLING = {f.keyword: f for f in SAMPLING_FIELDS}
+
+# what a list-valued option must be, in words (the library's and the API's messages)
+LIST_KINDS = {"strs": "a list of non-empty strings", "ids": "a list of token ids (integers >= 0)"}
+
+
+def bound_text(lo, hi=None, lo_open: bool = False, hi_open: bool = False) -> str:
+    """A range in words: ``">= 1"``, ``"> 0"``, ``"in (0, 1]"``, ``"in [0, 2**63)"``, ``"in [0, max_new_tokens]"``."""
+    if hi is None:
+        return f"{'>' if lo_open else '>='} {_num_text(lo)}"
+    return f"in {'(' if lo_open else '['}{_num_text(lo)}, {_num_text(hi)}{')' if hi_open else ']'}"
+
+
+def _num_text(x) -> str:
+    if isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return f"2**{x.bit_length() - 1}" if x >= 2**32 and x & (x - 1) == 0 else str(x)
+    return f"{x:g}"
+
+
+def _in_range(f: SamplingField, v, hi=None) -> bool:
+    """Whether ``v`` lies in ``f``'s bounds (``hi``: the value of the keyword a string ``f.hi`` names)."""
+    hi = f.hi if hi is None else hi
+    if f.lo is not None and not (v > f.lo if f.lo_open else v >= f.lo):
+        return False
+    return hi is None or (v < hi if f.hi_open else v <= hi)
+
+
+def _listed(f: SamplingField, v) -> list:
+    """A list option normalised: one string / id becomes a list of it. ``LiteturboError`` naming the option."""
+    if f.kind == "strs":
+        v = [v] if isinstance(v, str) else v
+        ok = isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v)
+    else:
+        v = [v] if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v
+        ok = isinstance(v, (list, tuple, set)) and all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in v)
+    if not ok:
+        raise LiteturboError(f"{f.keyword} must be {LIST_KINDS[f.kind]}, got {v!r}")
+    return [int(x) for x in v] if f.kind == "ids" else list(v)
+
+
+def _sampling_default(keyword: str):
+    d = SAMPLING[keyword].default
+    return field(default_factory=list) if isinstance(d, tuple) else field(default=d)
+
+
 @dataclass
 class GenerationConfig:
-    """Sampling and stopping options of one request.
+    """Sampling and stopping options of one request; names, types, ranges and defaults are
+    :data:`SAMPLING_FIELDS`'s.
 
     max_new_tokens: generated tokens at most. temperature 0 = greedy. top_k 0 = off. top_p 1 = off.
     stop: strings that end generation (not included in the text). stop_token_ids: extra ids that end it.
     ignore_eos: keep going past EOS. seed: per-request RNG seed (``None`` = nondeterministic).
-    min_p: keep tokens with probability >= min_p x the top one's (0 = off). repetition_penalty (1 = off),
-    presence_penalty / frequency_penalty (0 = off): see :mod:`turbo.sampler`. min_new_tokens: EOS and stop
-    ids are masked until this many tokens exist. logprobs: also return the top-n log-probabilities per token.
+    min_p: keep tokens with probability >= min_p x the top one's (0 = off). repetition_penalty (> 0, 1 = off),
+    presence_penalty / frequency_penalty (in [-2, 2], 0 = off): see :mod:`turbo.core.sampler`. min_new_tokens: EOS
+    and stop ids are masked until this many tokens exist. logprobs: also return the top-n log-probabilities per
+    token. Raises ``LiteturboError`` naming the option for a wrong type or a value out of range.
     """
 
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_new_tokens: int = 0
-    logprobs: int = 0
+    max_new_tokens: int = _sampling_default("max_new_tokens")
+    temperature: float = _sampling_default("temperature")
+    top_k: int = _sampling_default("top_k")
+    top_p: float = _sampling_default("top_p")
+    stop: list[str] = _sampling_default("stop")
+    stop_token_ids: list[int] = _sampling_default("stop_token_ids")
+    ignore_eos: bool = _sampling_default("ignore_eos")
+    seed: int | None = _sampling_default("seed")
+    min_p: float = _sampling_default("min_p")
+    repetition_penalty: float = _sampling_default("repetition_penalty")
+    presence_penalty: float = _sampling_default("presence_penalty")
+    frequency_penalty: float = _sampling_default("frequency_penalty")
+    min_new_tokens: int = _sampling_default("min_new_tokens")
+    logprobs: int = _sampling_default("logprobs")
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "top_k", "min_new_tokens", "logprobs"):
-            _coerce(self, name, "int")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            _coerce(self, name, "float")
-        _coerce(self, "ignore_eos", "bool")
-        _coerce(self, "seed", "int", optional=True)
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise LiteturboError(f"seed must be in [0, 2**63), got {self.seed}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
-            raise LiteturboError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        self.stop = list(self.stop)
-        if isinstance(self.stop_token_ids, numbers.Integral) and not isinstance(self.stop_token_ids, bool):
-            self.stop_token_ids = [self.stop_token_ids]
-        if not isinstance(self.stop_token_ids, (list, tuple, set)) or not all(
-                isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in self.stop_token_ids):
-            raise LiteturboError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
-        self.stop_token_ids = [int(x) for x in self.stop_token_ids]
-        if self.max_new_tokens < 1:
-            raise LiteturboError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.min_p <= 1:
-            raise LiteturboError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise LiteturboError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not (0 <= self.min_new_tokens <= self.max_new_tokens):
-            raise LiteturboError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
-        if not 0 <= self.logprobs <= 20:
-            raise LiteturboError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise LiteturboError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise LiteturboError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise LiteturboError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise LiteturboError(f"top_p must be in (0, 1], got {self.top_p}")
+        for f in SAMPLING_FIELDS:  # every type before any range
+            if f.kind in LIST_KINDS:
+                setattr(self, f.keyword, _listed(f, getattr(self, f.keyword)))
+            else:
+                _coerce(self, f.keyword, f.kind, optional=f.optional)
+        for f in SAMPLING_FIELDS:
+            v = getattr(self, f.keyword)
+            if f.kind == "float" and not math.isfinite(v):
+                raise LiteturboError(f"{f.keyword} must be a finite number, got {v}")
+            if f.lo is None or v is None:
+                continue
+            hi = getattr(self, f.hi) if isinstance(f.hi, str) else None
+            if not _in_range(f, v, hi):
+                raise LiteturboError(f"{f.keyword} must be {bound_text(f.lo, f.hi, f.lo_open, f.hi_open)}, got {v}")
 
 
 def generation_config(gen: GenerationConfig | None, kwargs: dict) -> GenerationConfig:

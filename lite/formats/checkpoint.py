@@ -1,23 +1,23 @@
-"""Hugging Face checkpoint folders: resolve a model name, read config and weights, write atomically.
+"""Hugging Face checkpoint folders: resolve a model name, read config and weights, copy tokenizer files.
 
 A checkpoint folder holds ``config.json``, ``*.safetensors`` weights (one file or an index with shards) and
 tokenizer files. Weights are read whole (:func:`load_state_dict`) or one tensor at a time on demand
-(:class:`LazyStateDict`, which the engine's loader streams layer by layer). Writing goes to a temporary sibling
-folder renamed into place at the end, so a failed run never leaves a half-written checkpoint.
+(:class:`LazyStateDict`, which the engine's loader streams layer by layer). Writing goes through
+:mod:`lite.formats.writing`.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from .embedded import EMBEDDED_MODELS, ensure_embedded
 from .errors import LiteturboError
+from .kv import KV_PARAMS_FILE
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -26,19 +26,12 @@ TOKENIZER_FILES = (
 )
 
 
-def liteturbo_home() -> Path:
-    """Cache folder: ``$LITETURBO_HOME``, default ``~/.cache/liteturbo``."""
-    return Path(os.environ.get("LITETURBO_HOME", Path.home() / ".cache" / "liteturbo"))
-
-
 def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
     """A model name or folder → path of a Hugging Face checkpoint folder.
 
     ``None`` and ``"smollm2-135m-instruct"`` give the embedded default model, converted once from its GGUF
     file into the cache folder. Raises ``LiteturboError`` for a path that is not a checkpoint.
     """
-    from .embedded import EMBEDDED_MODELS, ensure_embedded
-
     if name_or_path is None:
         name_or_path = "smollm2-135m-instruct"
     key = str(name_or_path)
@@ -51,8 +44,6 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
 
 def check_checkpoint_dir(path: Path) -> None:
     """Raise ``LiteturboError`` unless ``path`` looks like a Hugging Face checkpoint folder."""
-    from .embedded import EMBEDDED_MODELS
-
     if not path.exists():
         raise LiteturboError(
             f"{str(path)!r} does not exist: pass a Hugging Face checkpoint folder (with config.json and "
@@ -87,8 +78,6 @@ def load_config(path: Path) -> dict:
 def weight_files(path: Path) -> list[Path]:
     """The safetensors weight files of a checkpoint, shards in index order (calibrated KV parameters, which
     live beside the weights in their own safetensors file, are not weights)."""
-    from .kv import KV_PARAMS_FILE
-
     index = path / "model.safetensors.index.json"
     if index.is_file():
         with open(index, encoding="utf-8") as f:
@@ -240,63 +229,3 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
-
-
-def check_output_dir(target: Path, overwrite: bool, source: Path | None = None) -> Path:
-    """Validate an output checkpoint folder before any work; returns it absolute.
-
-    Refuses (``LiteturboError``) a folder that exists without ``overwrite``, and even with ``overwrite`` one that
-    is or contains the source checkpoint, the current/home/root folder, or a non-empty folder that is not a
-    checkpoint (no config.json): replacing those would destroy data.
-    """
-    target = Path(target).expanduser().absolute()
-    if str(target).strip() == "" or target == Path.cwd() or target == Path.home() or target == Path(target.anchor):
-        raise LiteturboError(f"refusing to write a checkpoint over {target}; give --work-dir a new folder name")
-    if source is not None:
-        src = Path(source).expanduser().resolve()
-        t = target.resolve()
-        if t == src or t in src.parents:
-            raise LiteturboError(f"--work-dir {target} is or contains the input checkpoint {src}; choose another folder")
-    if target.exists():
-        non_empty = not target.is_dir() or any(target.iterdir())
-        if non_empty and not overwrite:
-            raise LiteturboError(f"{target} already exists; choose another --work-dir or pass --overwrite")
-        if non_empty and not (target / "config.json").is_file():
-            raise LiteturboError(f"{target} exists and is not a checkpoint folder (no config.json); refusing to "
-                                 f"replace it even with --overwrite: choose another --work-dir")
-    return target
-
-
-@contextlib.contextmanager
-def atomic_output_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder next to ``target``; on success it becomes ``target`` in one rename.
-
-    On any exception the temporary folder is removed and ``target`` is untouched. Raises
-    ``LiteturboError`` if ``target`` exists and ``overwrite`` is false.
-    """
-    target = check_output_dir(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is an ordinary folder
-        for f in tmp.iterdir():
-            if f.is_file():
-                os.chmod(f, 0o644)
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old / "x")
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def write_json(path: Path, obj: dict) -> None:
-    """Write ``obj`` as indented JSON."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")

