@@ -18,7 +18,7 @@ class Backend(ABC):
     """
 
     name: str = "base"
-    # memory accounting (turbo.planner): whether decode and chunked-prefill attention read K/V in place from the
+    # memory accounting (turbo.core.planner): whether decode and chunked-prefill attention read K/V in place from the
     # blocks (else they gather each sequence's context into a contiguous copy per layer), and from how many rows a
     # quantized linear is dequantized into a dense weight for one GEMM
     paged_attention: bool = False

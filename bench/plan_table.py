@@ -6,7 +6,7 @@ For each public config kept in tests/fixtures/configs (Llama-3-8B, Qwen2.5-7B/14
 with bf16, int8 and int4 KV: weights, workspace, KV bytes per token, pool tokens, sessions of the model's full
 context at once, whether it fits, the `liteturbo serve` command for each configuration that fits, and the peak
 memory of `liteturbo lite auto-awq` with the default calibration (128 x 512 tokens). Nothing is loaded: it is the
-same accounting as `liteturbo plan` (turbo/planner.py) and the engine's start-up.
+same accounting as `liteturbo plan` (turbo/core/planner.py, turbo/plan.py) and the engine's start-up.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The memory planner against the bytes the engine really allocates, and the engine's start-up refusals.
 
-Weights and KV figures of :mod:`turbo.planner` must equal the tensors the engine holds (counted from the tensors
+Weights and KV figures of :mod:`turbo.core.planner` must equal the tensors the engine holds (counted from the tensors
 themselves by :meth:`turbo.core.model.LlamaModel.memory_breakdown` and :attr:`PagedKVCache.nbytes`) for SmolLM2 and for
 tiny models of each family, per backend layout and KV dtype; pool sizing must shrink (never grow) with a larger
 prefill chunk and with memory already in use; configurations that cannot fit are refused with the shortfall.

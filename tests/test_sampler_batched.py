@@ -1,4 +1,4 @@
-"""The batched sampler (turbo.sampler.sample_batch) against a per-row reference, on hand-made logits, and in the
+"""The batched sampler (turbo.core.sampler.sample_batch) against a per-row reference, on hand-made logits, and in the
 engine on a tiny random model: same rules, same seeds → same tokens whatever the batch, one host sync per step."""
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
          kv_cache_dtype: str = "auto", session_len: int | None = None, max_batch_size: int = 64,
          max_num_batched_tokens: int = 1024, block_size: int = 64, in_use: int = 0,
          cache_max_entry_count: float | None = None, max_kv_tokens: int | None = None, suggest: bool = True) -> Plan:
-    """Plan serving ``cfg`` (a :class:`turbo.model.ModelConfig`) on a ``device_kind`` (``cpu``, ``cuda``, ``rocm``,
+    """Plan serving ``cfg`` (a :class:`turbo.core.model.ModelConfig`) on a ``device_kind`` (``cpu``, ``cuda``, ``rocm``,
     ``npu``) with ``budget`` bytes of memory, ``in_use`` of them already taken by others. Everything else as the
     engine's options (:class:`turbo.config.EngineConfig`). When it does not fit, ``suggestions`` lists option changes
     that do, each checked by planning again. Raises ``LiteturboError`` for impossible options."""

@@ -378,7 +378,7 @@ class LlamaModel:
         return head(h).float()
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes of every tensor the model holds, by part (the keys of :func:`turbo.planner.weight_breakdown`):
+        """Bytes of every tensor the model holds, by part (the keys of :func:`turbo.core.planner.weight_breakdown`):
         ``decoder linears``, ``embeddings``, ``lm_head`` (0 when it shares the embedding table), ``norms``,
         ``rotary tables``. Counted from the tensors themselves (each storage once), so it checks the planner."""
         seen: set[int] = set()

@@ -84,7 +84,7 @@ class WeightChoice:
 
 def decoder_linear_specs(cfg, w: WeightChoice) -> list[LinearSpec]:
     """The linears of one decoder layer as the loader builds them (q/k/v fused, gate/up fused). ``cfg`` is a
-    :class:`turbo.model.ModelConfig`."""
+    :class:`turbo.core.model.ModelConfig`."""
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     shapes = [(q + 2 * kv, h, cfg.qkv_bias), (h, q, cfg.o_bias), (2 * inter, h, cfg.mlp_bias), (h, inter, cfg.mlp_bias)]
@@ -95,7 +95,7 @@ def decoder_linear_specs(cfg, w: WeightChoice) -> list[LinearSpec]:
 def weight_breakdown(cfg, backend_cls: type[Backend], device_type: str, dtype: torch.dtype,
                      w: WeightChoice) -> dict[str, int]:
     """Bytes the engine holds for the weights, by part: ``decoder linears``, ``embeddings``, ``lm_head``, ``norms``,
-    ``rotary tables`` (see the module docstring). ``cfg`` is a :class:`turbo.model.ModelConfig`."""
+    ``rotary tables`` (see the module docstring). ``cfg`` is a :class:`turbo.core.model.ModelConfig`."""
     e = torch.empty((), dtype=dtype).element_size()
     per_layer = sum(backend_cls.linear_nbytes(s, dtype, device_type) for s in decoder_linear_specs(cfg, w))
     embed = cfg.vocab_size * cfg.hidden_size * e
