@@ -26,6 +26,10 @@ class Backend(ABC):
     # from how many rows an int8 lm_head whose weight is tied to the 16-bit embedding table multiplies by that
     # table instead (same storage, no extra memory); never by default
     dense_lm_head_min_rows: int = 1 << 62
+    # whether a decode step (AttentionMetadata.decode_only with its device step plan) reads nothing but device
+    # tensors and host ints fixed for a batch size (no host lists, no host → device copies, no synchronization), so
+    # that turbo.core.cuda_graphs may capture it as a CUDA graph
+    graph_safe_decode: bool = False
 
     def __init__(self, device: torch.device | str = "cpu", batch_invariant: bool = False) -> None:
         self.device = torch.device(device)

@@ -13,7 +13,9 @@ from .types import AttentionMetadata
 def paged_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inputs of the C++ ``paged_attention`` for a step: block tables int32 ``[num_seqs, max_blocks]`` (zero-padded),
     the sequence of every query row and the number of tokens it sees (causal: a row at position ``p`` sees ``p + 1``),
-    int32 ``[T]`` each."""
+    int32 ``[T]`` each (the runner's device step plan when the metadata carries it)."""
+    if meta.row_seq is not None:
+        return meta.block_table, meta.row_seq, meta.row_ctx
     bs = meta.block_size
     nblocks = [(c + bs - 1) // bs for c in meta.context_lens]
     width = max(nblocks, default=1)

@@ -173,6 +173,13 @@ class AttentionMetadata:
     - ``block_tables[b]`` lists its KV block ids in order.
 
     slot_mapping: int64 ``[T]``, cache slot ``block_id * block_size + offset`` of each token's K/V.
+
+    The step plan on the device (optional; the model runner fills them from pinned host memory with one copy, so a
+    backend needs no host → device copy of its own, and a CUDA graph replays them): ``row_seq`` int32 ``[T]``, the
+    sequence of each query row; ``row_ctx`` int32 ``[T]``, the keys it sees (causal: a row at position ``p`` sees
+    ``p + 1``); ``block_table`` int32 ``[num_seqs, W]``, the block tables zero-padded to ``W`` blocks;
+    ``max_context``: a bound on ``row_ctx`` (host int; a captured decode graph sets the longest context it serves).
+    ``decode_only``: every sequence computes one token.
     """
 
     slot_mapping: torch.Tensor
@@ -180,6 +187,10 @@ class AttentionMetadata:
     context_lens: list[int]
     block_tables: list[list[int]]
     block_size: int
+    row_seq: torch.Tensor | None = None
+    row_ctx: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    max_context: int = 0
     # backend-private values derived once per step and reused by every layer (e.g. gather indices)
     scratch: dict = field(default_factory=dict, repr=False)
 
@@ -193,3 +204,8 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         """Sequences in the step."""
         return len(self.context_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        """Whether every sequence of the step computes exactly one token (a decode step)."""
+        return self.query_start[-1] == self.num_seqs

@@ -37,13 +37,15 @@ def _kv_options(fn):
 
 
 def _device_options(fn):
-    """--device and --backend, shared by chat, eval-ppl and serve."""
+    """--device, --backend and --enforce-eager, shared by chat, eval-ppl and serve."""
     opts = [
         click.option("--device", default="auto", show_default=True,
                      help="auto (a GPU, then an NPU, then the CPU), cpu, cuda[:N] or npu[:N]."),
         click.option("--backend", default="auto", show_default=True,
                      help="auto (triton on CUDA/ROCm, ascend on NPUs, torch on CPUs), torch, triton or ascend; "
                           "`liteturbo env` lists what runs here."),
+        click.option("--enforce-eager", is_flag=True,
+                     help="Never replay decode steps as CUDA graphs (they are by default on CUDA)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -80,8 +82,8 @@ main.add_command(lite)
 @_device_options
 @_kv_options
 @friendly_errors
-def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backend, kv_cache_dtype, quant_policy,
-             no_kv_calibration) -> None:
+def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backend, enforce_eager, kv_cache_dtype,
+             quant_policy, no_kv_calibration) -> None:
     """Perplexity of MODEL on a bundled dataset's test text (WikiText-2: rows joined with "\\n\\n").
 
     Windows are scored in chunks through the engine's paged KV cache, so with --kv-cache-dtype int8/int4 every
@@ -93,7 +95,8 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backen
         raise LiteturboError(f"--seqlen must be at least 2 tokens, got {seqlen}")
     if max_windows is not None and max_windows < 1:
         raise LiteturboError(f"--max-windows must be at least 1, got {max_windows} (leave it out to score all)")
-    engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, max_kv_tokens=seqlen, lm_head="16bit",
+    engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, enforce_eager=enforce_eager,
+                                        max_kv_tokens=seqlen, lm_head="16bit",
                                         kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
                                         kv_calibration=not no_kv_calibration))
     r = perplexity(engine, calib_data.eval_text(dataset), seqlen, max_windows, progress=not as_json)
@@ -130,7 +133,7 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backen
 @friendly_errors
 def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, session_len, max_kv_tokens,
          kv_cache_gib,
-         cache_max_entry_count, url, api_key, device, backend, kv_cache_dtype, quant_policy,
+         cache_max_entry_count, url, api_key, device, backend, enforce_eager, kv_cache_dtype, quant_policy,
          no_kv_calibration) -> None:
     """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too. With --url, chat
     with a running `liteturbo serve` through its sessions API instead (MODEL and the engine options are unused)."""
@@ -145,7 +148,8 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
         click.echo(f"[liteturbo] session {session.id} on {session.url}; /reset clears the history, /exit quits",
                    err=True)
     else:
-        engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, session_len=session_len,
+        engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, enforce_eager=enforce_eager,
+                                            session_len=session_len,
                                             max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib, cache_max_entry_count=cache_max_entry_count,
                                             kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
                                             kv_calibration=not no_kv_calibration))
@@ -236,7 +240,7 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_nu
           session_len,
           max_kv_tokens, kv_cache_gib,
           cache_max_entry_count, max_request_bytes, log_level, session_dir, max_sessions, session_idle_timeout,
-          device, backend, kv_cache_dtype, quant_policy, no_kv_calibration) -> None:
+          device, backend, enforce_eager, kv_cache_dtype, quant_policy, no_kv_calibration) -> None:
     """Serve MODEL over HTTP: OpenAI-compatible /v1/chat/completions and /v1/completions (streaming or not) and
     stateful /v1/sessions (docs/serving.md)."""
     try:
@@ -250,6 +254,7 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_nu
     run(model, host=host, port=port, model_name=model_name, api_keys=api_keys or "",
         max_request_bytes=max_request_bytes, log_level=log_level, session_dir=session_dir, max_sessions=max_sessions,
         session_idle_timeout=session_idle_timeout, dtype=dtype, device=device, backend=backend,
+        enforce_eager=enforce_eager,
         max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
         session_len=session_len,
         max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,

@@ -65,7 +65,9 @@ class EngineConfig:
     each block; see :mod:`backends.kv_cache`). quant_policy: LMDeploy's spelling of the same choice (0 = 16-bit,
     8 = int8, 4 = int4); giving both with different meanings is refused. kv_calibration: use the calibrated key
     parameters a checkpoint carries (``liteturbo lite calibrate-kv``) when the cache is int8/int4; ``False``
-    keeps the online mode.
+    keeps the online mode. enforce_eager: never replay decode steps as CUDA graphs (on CUDA with a backend whose
+    decode path is graph-safe they are by default; one KV block is then kept aside for padded rows, see
+    :mod:`turbo.core.cuda_graphs`).
     """
 
     backend: str = "auto"
@@ -85,6 +87,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quant_policy: int | None = None
     kv_calibration: bool = True
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.device, torch.device):
@@ -98,7 +101,7 @@ class EngineConfig:
             _coerce(self, name, "int", optional=True)
         for name in ("kv_cache_gib", "cache_max_entry_count"):
             _coerce(self, name, "float", optional=True)
-        for name in ("enable_prefix_caching", "batch_invariant", "kv_calibration"):
+        for name in ("enable_prefix_caching", "batch_invariant", "kv_calibration", "enforce_eager"):
             _coerce(self, name, "bool")
         _coerce(self, "kv_cache_dtype", "str")
         self.kv_cache_dtype = _KV_ALIASES.get(self.kv_cache_dtype.lower(), self.kv_cache_dtype.lower())
