@@ -1,10 +1,11 @@
 """TritonBackend: the torch reference with Triton kernels where they matter on a GPU.
 
-- W4A16 linears: weights repacked once at load into :func:`~backends.triton.kernels.pack_w4` (int32 words along
-  K, scales in the compute dtype, uint8 zero points; act-order ``g_idx`` turned into an input permutation when
-  its groups are regular, else read per channel); inputs with fewer than ``dequant_min_rows`` rows run the fused
-  kernel (split-K when the output tiles alone cannot fill the GPU), larger ones dequantize into a dense weight and
-  call ``torch.matmul`` (cuBLAS).
+- W4A16 linears: weights repacked once at load (byte-level) into the tiled layout of :mod:`backends.triton.w4a16`
+  (scales in the compute dtype, uint8 zero points; act-order ``g_idx`` turned into an input permutation when its
+  groups are regular; irregular ``g_idx`` keeps the older :func:`~backends.triton.kernels.pack_w4` layout and
+  kernel); inputs with fewer than ``dequant_min_rows`` rows run the fused kernels (a GEMV for a few rows, a
+  tensor-core GEMM beyond, split-K reduced inside the kernel), larger ones dequantize into a dense weight and call
+  ``torch.matmul`` (cuBLAS).
 - Attention: decode rows (and, with ``batch_invariant``, every row) run the paged attention kernel over the block
   tables, dequantizing int8/int4 KV in the kernel; multi-token prefill sequences use the torch reference's SDPA.
 - The KV cache is the torch backend's :class:`~backends.kv_cache.PagedKVCache` layout; int8/int4 writes
@@ -44,9 +45,12 @@ def _kernels():
 
 @dataclass
 class TritonW4Handle:
-    """A W4A16 weight in the kernels' layout: qweight int32 ``[ceil(K/8), N]``, scales ``[groups, N]`` (compute
-    dtype), zeros uint8 ``[groups, N]``, g_idx int32 ``[K]`` or None, in_perm int64 ``[K]`` or None (inputs are
-    permuted by it first), bias ``[N]`` or None."""
+    """A W4A16 weight in the kernels' layout. ``layout == "tiled"`` (:mod:`backends.triton.w4a16`): qweight int32
+    ``[ceil(N/128), ceil(K/128)*16, 128]`` (:func:`~backends.triton.w4a16.pack_tiled`); ``"gptq"`` (the pre-issue-22
+    kernel, :func:`~backends.triton.kernels.w4a16_gemm`, kept for irregular act-order ``g_idx``, group sizes that
+    are not multiples of 8, and as the reference path): int32 ``[ceil(K/8), N]``. Both: scales ``[groups, N]``
+    (compute dtype), zeros uint8 ``[groups, N]``, g_idx int32 ``[K]`` or None, in_perm int64 ``[K]`` or None
+    (inputs are permuted by it first), bias ``[N]`` or None."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -58,6 +62,7 @@ class TritonW4Handle:
     k: int
     bias: torch.Tensor | None
     dtype: torch.dtype
+    layout: str = "gptq"
 
 
 class TritonCache(PagedKVCache):
@@ -81,11 +86,14 @@ class TritonBackend(TorchBackend):
     factor for the fused GEMM, ``None`` = chosen per call from the tile count and the GPU's multiprocessors.
     ``fused_elementwise``: RMSNorm/SiLU kernels on (else the torch reference ops). ``attention_partition``: tokens
     per context partition of the paged attention (flash-decoding split), 0 = never split, ``None`` = 512 on a GPU
-    when contexts exceed 1,024 tokens and rows x KV heads are fewer than twice the multiprocessors.
+    when contexts exceed 1,024 tokens and rows x KV heads are fewer than twice the multiprocessors; with
+    ``batch_invariant`` the partition never depends on the step (``None`` = 512) and every row goes through the
+    partials and the combine kernel.
     """
 
     name = "triton"
     paged_attention = True
+    graph_safe_decode = True  # decode steps read only the runner's device step plan (see _plan)
     dequant_min_rows = 128
 
     def __init__(self, device: torch.device | str = "cuda", batch_invariant: bool = False,
@@ -125,48 +133,72 @@ class TritonBackend(TorchBackend):
         return {
             **super().op_coverage(platform),
             "linear": "torch F.linear (cuBLAS)" if not interp else "torch F.linear",
-            "w4a16_linear": (f"{k}: fused int4 dequant GEMM, split-K for few rows; dequantize ({k}) + matmul "
+            "w4a16_linear": (f"{k}: int4 GEMV (magic-number int4 conversion, no tl.dot) up to a few rows, "
+                             f"tensor-core GEMM beyond, split-K reduced in the kernel; dequantize ({k}) + matmul "
                              f"from 128 rows; torch reference for bits != 4"),
             "w8a16_linear": "dequantize + matmul (torch)",
             "rms_norm": k + " on 2-D rows (torch reference for per-head q/k norms)",
             "add_rms_norm": k + ": residual add fused with RMSNorm",
             "silu_and_mul": k, "rotary": "torch reference",
-            "attention": f"{k}: paged attention over block tables for decode and chunked rows (int8/int4 "
-                         f"dequantized in the kernel); torch SDPA for whole-prompt prefill",
+            "attention": f"{k}: paged decode attention over block tables for decode and chunked rows (Q·Kᵀ and P·V "
+                         f"as tensor-core dots over the GQA group padded to 16 rows, int8/int4 codes dotted with "
+                         f"scales and zero points folded in, split-KV merged by one combine kernel); torch SDPA "
+                         f"for whole-prompt prefill",
             "kv_write_int8": k + " (quantize per token and head, store)",
             "kv_write_int4": k + " (quantize, pack nibbles, store)",
         }
 
     # --- W4A16 ---------------------------------------------------------------------------------------------
+    # the weight layout prepare_w4a16 produces: "tiled" (backends/triton/w4a16.py: GEMV for few rows, tensor-core
+    # GEMM beyond) or "gptq" (the pre-issue-22 kernel, kernels.w4a16_gemm: the reference path of the static report
+    # and GPU comparisons); set on an instance before loading to switch
+    w4a16_layout = "tiled"
+
     @classmethod
     def linear_nbytes(cls, spec: LinearSpec, dtype: torch.dtype, device_type: str = "cuda") -> int:
-        """See :meth:`Backend.linear_nbytes`: a 4-bit weight as :class:`TritonW4Handle` (int32 words
-        ``[ceil(in/8), out]``, scales ``[groups, out]`` in ``dtype``, uint8 zeros ``[groups, out]``, int64 input
-        permutation for act-order, bias in ``dtype``); other widths as the torch reference holds them."""
+        """See :meth:`Backend.linear_nbytes`: a 4-bit weight as :class:`TritonW4Handle` (int32 words of the tiled
+        layout, ``ceil(out/128)*128 x ceil(in/128)*128`` codes — the gptq layout's ``ceil(in/8) x out`` words for
+        group sizes that are not a multiple of 8 —, scales ``[groups, out]`` in ``dtype``, uint8 zeros
+        ``[groups, out]``, int64 input permutation for act-order, bias in ``dtype``); other widths as the torch
+        reference holds them."""
         if not spec.quantized or spec.bits != 4:
             return super().linear_nbytes(spec, dtype, device_type)
+        from . import w4a16
+
         e = torch.empty((), dtype=dtype).element_size()
         out = spec.out_features
-        return (-(-spec.in_features // 8) * out * 4 + spec.groups * out * (e + 1) + (out * e if spec.bias else 0)
+        gs = spec.in_features if spec.group_size == -1 else spec.group_size
+        if cls.w4a16_layout == "tiled" and w4a16.supports(gs, spec.in_features):
+            words = -(-out // 128) * 128 * (-(-spec.in_features // 128) * 16)
+        else:  # the gptq layout of the older kernel
+            words = -(-spec.in_features // 8) * out
+        return (words * 4 + spec.groups * out * (e + 1) + (out * e if spec.bias else 0)
                 + (8 * spec.in_features if spec.act_order else 0))
 
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
-        """Repack for the fused kernel (4-bit only; other widths use the torch reference's dequantize path)."""
+        """Repack for the fused kernels (4-bit only; other widths use the torch reference's dequantize path): the
+        tiled layout, or the gptq layout for irregular act-order ``g_idx`` / group sizes not a multiple of 8."""
         if qw.bits != 4:
             return super().prepare_w4a16(qw, dtype)
+        from . import w4a16
+
         dev = self.device
         perm = act_order_permutation(qw)
         codes = qw.qweight if perm is None else qw.qweight[:, perm]
         g_idx = None
         if perm is None and not qw.has_trivial_g_idx():
             g_idx = qw.g_idx.to(dev, torch.int32).contiguous()
+        gs = qw.effective_group_size
+        tiled = self.w4a16_layout == "tiled" and w4a16.supports(gs, qw.in_features, g_idx)
+        packed = w4a16.pack_tiled(codes) if tiled else self.kernels.pack_w4(codes)
         bias = None if qw.bias is None else qw.bias.to(dev, dtype)
-        return TritonW4Handle(self.kernels.pack_w4(codes).to(dev), qw.scales.to(dev, dtype).contiguous(),
+        return TritonW4Handle(packed.to(dev), qw.scales.to(dev, dtype).contiguous(),
                               qw.qzeros.to(dev, torch.uint8).contiguous(), g_idx,
-                              None if perm is None else perm.to(dev), qw.effective_group_size, qw.out_features,
-                              qw.in_features, bias, dtype)
+                              None if perm is None else perm.to(dev), gs, qw.out_features,
+                              qw.in_features, bias, dtype, "tiled" if tiled else "gptq")
 
     def _split_k(self, m: int, n: int, k: int) -> int:
+        """The old kernel's split-K (kernels.w4a16_gemm, gptq layout)."""
         if self.split_k is not None:
             return self.split_k
         if self.device.type != "cuda" or m > 64:
@@ -187,7 +219,19 @@ class TritonBackend(TorchBackend):
         if xin.stride(-1) != 1:
             xin = xin.contiguous()
         m = xin.shape[0]
-        if m >= self.w4_dequant_min_rows:
+        if h.layout == "tiled":
+            from . import w4a16
+
+            if m >= self.w4_dequant_min_rows:
+                w = w4a16.dequantize_tiled(h.qweight, h.scales, h.zeros, h.group_size, h.n, h.k, h.dtype)
+                y = torch.matmul(xin, w)
+                if h.bias is not None:
+                    y += h.bias
+            else:
+                y = w4a16.w4a16_matmul(xin, h.qweight, h.scales, h.zeros, h.group_size, h.n, h.k, h.bias,
+                                       split_k=self.split_k, sms=self._sms if self.device.type == "cuda" else 1,
+                                       batch_invariant=self.batch_invariant)
+        elif m >= self.w4_dequant_min_rows:
             w = self.kernels.dequantize_w4(h.qweight, h.scales, h.zeros, h.group_size, h.n, h.k, h.dtype, h.g_idx)
             y = torch.matmul(xin, w)
             if h.bias is not None:
@@ -225,21 +269,32 @@ class TritonBackend(TorchBackend):
         """A :class:`TritonCache` (the reference layout; int8/int4 writes quantize in a kernel)."""
         return TritonCache(spec, self.device, compute_dtype, params)
 
+    # which paged attention runs the kernel rows: "decode" (backends/triton/attention.py: tensor-core dots, split-KV
+    # combined in one Triton launch) or "old" (kernels.paged_attention, kept as the baseline of the static report and
+    # of GPU comparisons); set on an instance to switch
+    attention_kernel = "decode"
+
     def attention(self, q, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Decode rows (every row with ``batch_invariant``) through the paged attention kernel; multi-token
-        sequences through the torch reference's SDPA over gathered K/V."""
+        """Decode and chunked-prefill rows (every row with ``batch_invariant``) through the paged attention kernel;
+        whole-prompt prefill sequences through the torch reference's SDPA over gathered K/V."""
         plan = meta.scratch.get("triton_attn")
         if plan is None:
             plan = meta.scratch["triton_attn"] = self._plan(meta, q.device, cache.spec.num_kv_heads)
-        rows, row_seq, row_ctx, tables, prefill, partition, max_ctx = plan
+        rows, row_seq, row_ctx, tables, prefill, partition, max_ctx, split = plan
         qq = cache.attention_query(layer, q)
         out = self.kernels.empty_output(qq.shape, qq.dtype, qq.device)
         if rows is not None:
             kv_bits = cache.spec.bits if cache.spec.quantized else 16
             quant = (cache.k_scale[layer], cache.k_zero[layer], cache.v_scale[layer], cache.v_zero[layer]) \
                 if cache.spec.quantized else (None,) * 4
-            self.kernels.paged_attention(qq, out, cache.k[layer], cache.v[layer], *quant, rows, row_seq, row_ctx,
-                                         tables, meta.block_size, scale, kv_bits, max_ctx, partition)
+            args = (qq, out, cache.k[layer], cache.v[layer], *quant, rows, row_seq, row_ctx, tables, meta.block_size,
+                    scale, kv_bits, max_ctx, partition)
+            if self.attention_kernel == "old":
+                self.kernels.paged_attention(*args)
+            else:
+                from . import attention as attn
+
+                attn.decode_attention(*args, split=split)
         for qs, qe, slots, causal in prefill:
             kb, vb = cache.gather(layer, slots)
             qb = qq[qs:qe].transpose(0, 1).unsqueeze(0)
@@ -250,7 +305,15 @@ class TritonBackend(TorchBackend):
 
     def _plan(self, meta: AttentionMetadata, device: torch.device, kv_heads: int):
         """Per step: kernel rows (query row, sequence, context length), padded block tables, and the prefill
-        sequences left to SDPA (start, end, slots, causal)."""
+        sequences left to SDPA (start, end, slots, causal). When every row goes to the kernel and the runner gave the
+        device step plan (``meta.row_seq``, ``row_ctx``, ``block_table``), those are used as they are: no host →
+        device copy, nothing read from the host lists but their lengths, so a decode step can be captured in a CUDA
+        graph (``meta.max_context`` bounds the partitions)."""
+        if meta.row_seq is not None and (meta.decode_only or self.batch_invariant):
+            n = meta.row_seq.shape[0]
+            rows = torch.arange(n, dtype=torch.int32, device=device)
+            partition, split = self._partition(n * kv_heads, meta.max_context)
+            return rows, meta.row_seq, meta.row_ctx, meta.block_table, [], partition, meta.max_context, split
         bs = meta.block_size
         rows, seqs, ctxs, prefill = [], [], [], []
         for b in range(meta.num_seqs):
@@ -270,7 +333,7 @@ class TritonBackend(TorchBackend):
                 continue
             prefill.append((qs, qe, slots.to(device), True))
         if not rows:
-            return None, None, None, None, prefill, None, None
+            return None, None, None, None, prefill, None, None, None
         width = max(1, max(len(bt) for bt in meta.block_tables))
         tables = torch.zeros(meta.num_seqs, width, dtype=torch.int32)
         for b, bt in enumerate(meta.block_tables):
@@ -280,8 +343,18 @@ class TritonBackend(TorchBackend):
             return torch.tensor(v, dtype=torch.int32).to(device)
 
         max_ctx = max(ctxs)
+        partition, split = self._partition(len(rows) * kv_heads, max_ctx)
+        return dev(rows), dev(seqs), dev(ctxs), tables.to(device), prefill, partition, max_ctx, split
+
+    def _partition(self, programs: int, max_ctx: int) -> tuple[int, bool | None]:
+        """(tokens per context partition, split) for ``programs`` = rows x KV heads over contexts up to ``max_ctx``."""
         partition = self.attention_partition
+        if self.batch_invariant:
+            # a fixed partition and always the split path: a row's bits never depend on the other rows of the step
+            partition = 512 if partition is None else partition
+            return partition, (True if partition else None)
         if partition is None:  # split long contexts when rows x KV heads alone leave multiprocessors idle
-            programs = len(rows) * kv_heads
-            partition = 512 if self.device.type == "cuda" and max_ctx > 1024 and programs < 2 * self._sms else 0
-        return dev(rows), dev(seqs), dev(ctxs), tables.to(device), prefill, partition, max_ctx
+            long = self.device.type == "cuda" and max_ctx > 1024 and programs < 2 * self._sms
+            # at most 64 partitions per row: a graph captured for a long max_context keeps small partials
+            partition = max(512, -(-max_ctx // (64 * 64)) * 64) if long else 0
+        return partition, None

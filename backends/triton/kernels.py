@@ -56,16 +56,9 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 def pack_w4(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``[N, K]`` in ``[0, 16)`` → int32 ``[ceil(K/8), N]``: input channel ``k`` of output ``n`` sits
     in bits ``4*(k % 8)`` of word ``[k // 8, n]`` (GPTQ's sequential order, K padded with code 0)."""
-    n, k = codes.shape
-    k8 = (k + 7) // 8
-    c = torch.zeros(k8 * 8, n, dtype=torch.int64, device=codes.device)
-    c[:k] = codes.t().to(torch.int64)
-    c = c.view(k8, 8, n)
-    words = torch.zeros(k8, n, dtype=torch.int64, device=codes.device)
-    for j in range(8):
-        words |= c[:, j] << (4 * j)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32).contiguous()
+    from .w4a16_plan import pack_words  # byte level: nibble pairs OR-ed into bytes, viewed as int32, transposed
+
+    return pack_words(codes).t().contiguous()
 
 
 def unpack_w4(words: torch.Tensor, k: int) -> torch.Tensor:
