@@ -946,10 +946,21 @@ class Child:
         eng.generate(prompts(d["requests"], d["prompt"]), max_new_tokens=d["warm_new"], ignore_eos=True)
         self.sync()
         self.row(**base, kind="warmup", kv_cache_dtype=kv_name, warmup_s=time.time() - t)
-        for label, n_req in (("batch1", 1), (f"batch{d['requests']}", d["requests"])):
+        graphs = getattr(getattr(eng, "runner", None), "graphs", None)  # CUDA-graph decode (turbo/core/cuda_graphs.py)
+        runs = [("batch1", 1, True), (f"batch{d['requests']}", d["requests"], True)]
+        if ki == 0:  # the same batch-1 decode with graphs off: what the graphs save at batch 1
+            runs.insert(1, ("batch1-eager", 1, False))
+        for label, n_req, use_graphs in runs:
             if (n_req > 1 and time.time() > kv_end) or self.left() < 1:
                 self.row(**base, run=label, skipped="this KV dtype's share of the section time is spent")
                 continue
+            if not use_graphs and (graphs is None or not graphs.enabled):
+                self.row(**base, run=label, skipped="no CUDA graphs here (CPU, enforce_eager, a backend that is not "
+                                                    "graph-safe, or a failed capture): batch1 is already eager")
+                continue
+            was = graphs.enabled if graphs is not None else None
+            if graphs is not None:
+                graphs.enabled = use_graphs and was
             ps = prompts(n_req, d["prompt"])
             s0 = _steps(eng)
             self.sync()
@@ -973,6 +984,10 @@ class Child:
                        frac_roofline=roof_ms / step_ms if roof_ms and step_ms else None)
             if time.time() < kv_end:
                 row.update(self._gpu_per_step(eng, n_req, prompts, d))
+            row["cuda_graphs"] = bool(graphs is not None and graphs.enabled)
+            row["graph_replays"] = getattr(graphs, "replays", None)
+            if graphs is not None:
+                graphs.enabled = was
             self.row(**row)
 
     def _gpu_per_step(self, eng, n_req: int, prompts, d: dict) -> dict:

@@ -66,8 +66,7 @@ class EngineConfig:
     8 = int8, 4 = int4); giving both with different meanings is refused. kv_calibration: use the calibrated key
     parameters a checkpoint carries (``liteturbo lite calibrate-kv``) when the cache is int8/int4; ``False``
     keeps the online mode. enforce_eager: never replay decode steps as CUDA graphs (on CUDA with a backend whose
-    decode path is graph-safe they are by default; one KV block is then kept aside for padded rows, see
-    :mod:`turbo.core.cuda_graphs`).
+    decode path is graph-safe they are by default, see :mod:`turbo.core.cuda_graphs`).
     """
 
     backend: str = "auto"

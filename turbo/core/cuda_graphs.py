@@ -3,12 +3,14 @@ static input buffers. At batch 1 on a GPU a decode step is launch-bound (~26 ker
 them as one graph launch.
 
 A decode step of ``B`` sequences (each computing one token, every context at most ``max_context`` tokens) runs in
-the smallest bucket ``b >= B``; rows ``B..b-1`` are padding: token 0 at position 0, its K/V written to a scratch
-slot (the first slot of the reserved block ``scratch_block``, which the block manager never hands out), attending
-to that one slot; their logits are dropped. The graph is captured at a bucket's first use, with the attention
-kernels launched for ``max_context`` tokens (rows read only their own context). Only backends whose decode path
-reads nothing but the device step plan (``graph_safe_decode``) are captured; a capture that fails turns graphs off
-with a warning and the engine runs eagerly. ``capture=False`` runs the same padded static path eagerly (tests on CPU).
+the smallest bucket ``b >= B``; rows ``B..b-1`` are padding that repeats row 0 exactly (its token, position, KV slot,
+context and block table): every kernel computes a row from that row's inputs alone, so a padded row writes the very
+bytes row 0 writes to row 0's slot, reads what row 0 reads, and needs no memory of its own; its logits are dropped.
+The graph is captured at a bucket's first use, on that step's inputs (the warm-up runs compute the step itself,
+which the replay then repeats), with the attention kernels launched for ``max_context`` tokens (rows read only their
+own context). Only backends whose decode path reads nothing but the device step plan (``graph_safe_decode``) are
+captured; a capture that fails turns graphs off with a warning and the engine runs eagerly. ``capture=False`` runs
+the same padded static path eagerly (tests on CPU).
 """
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ class DecodeGraphs:
     """Decode steps of ``runner`` (a :class:`~turbo.core.runner.ModelRunner`) through per-bucket static buffers and,
     with ``capture``, CUDA graphs. ``max_context``: longest context served (tokens); ``max_batch``: largest batch."""
 
-    def __init__(self, runner, max_context: int, max_batch: int, scratch_block: int, capture: bool = True) -> None:
-        self.runner, self.scratch_block = runner, scratch_block
+    def __init__(self, runner, max_context: int, max_batch: int, capture: bool = True) -> None:
+        self.runner = runner
         self.block_size = runner.block_size
         self.max_context = max_context
         self.width = -(-max_context // self.block_size)
@@ -101,17 +103,17 @@ class DecodeGraphs:
         return st
 
     def _padded(self, step, b: int) -> tuple[list[int], list[int]]:
-        """Host values of the bucket's inputs: (ids + positions + slots, contexts + flat tables)."""
-        n, bs, w = len(step.context_lens), self.block_size, self.width
-        pad = b - n
-        scratch_slot = self.scratch_block * bs
-        v64 = (list(step.token_ids) + [0] * pad + list(step.positions) + [0] * pad
-               + list(step.slot_mapping) + [scratch_slot] * pad)
-        v32 = list(step.context_lens) + [1] * pad
+        """Host values of the bucket's inputs (padded rows repeat row 0): (ids + positions + slots, contexts + flat
+        tables)."""
+        pad, bs, w = b - len(step.context_lens), self.block_size, self.width
+        v64 = [x for xs in (step.token_ids, step.positions, step.slot_mapping) for x in (*xs, *[xs[0]] * pad)]
+        v32 = list(step.context_lens) + [step.context_lens[0]] * pad
+        rows = []
         for bt, ctx in zip(step.block_tables, step.context_lens):
             k = -(-ctx // bs)
-            v32 += list(bt[:k]) + [0] * (w - k)
-        v32 += ([self.scratch_block] + [0] * (w - 1)) * pad
+            rows.append(list(bt[:k]) + [0] * (w - k))
+        for r in rows + [rows[0]] * pad:
+            v32 += r
         return v64, v32
 
     def _fill(self, st: _Bucket, step) -> None:
@@ -136,9 +138,9 @@ class DecodeGraphs:
         rows (eager replay of the padded path); without it (capture), placeholder lists of the right length."""
         b, bs = st.size, self.block_size
         if real is not None:
-            n = len(real.context_lens)
-            ctx = list(real.context_lens) + [1] * (b - n)
-            tables = [list(t) for t in real.block_tables] + [[self.scratch_block]] * (b - n)
+            pad = b - len(real.context_lens)
+            ctx = list(real.context_lens) + [real.context_lens[0]] * pad
+            tables = [list(t) for t in real.block_tables] + [list(real.block_tables[0])] * pad
         else:
             ctx, tables = [self.max_context] * b, [[0] * self.width] * b
         return AttentionMetadata(slot_mapping=st.slots, query_start=list(range(b + 1)), context_lens=ctx,
@@ -154,16 +156,13 @@ class DecodeGraphs:
         return ids, pos, self.runner.kv_cache, meta, rows
 
     def _capture(self, st: _Bucket) -> None:
+        """Capture the bucket's graph on the inputs already in its buffers (the step being run)."""
         if not getattr(self.runner.model.backend, "graph_safe_decode", False):
             raise RuntimeError(f"the {self.runner.model.backend.name} backend's decode path is not graph-safe")
-        saved = (st.ids.clone(), st.pos.clone(), st.slots.clone(), st.row_ctx.clone(), st.table.clone())
-        # warm-up and capture on padding only: every row writes the scratch slot and reads it alone
-        st.ids.zero_(), st.pos.zero_(), st.slots.fill_(self.scratch_block * self.block_size)
-        st.row_ctx.fill_(1), st.table.zero_(), st.table[:, 0].fill_(self.scratch_block)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # compiles the kernels and settles the allocator before capture
+            for _ in range(2):  # compiles the kernels and settles the allocator; each computes this very step
                 self._forward(st)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
@@ -171,6 +170,4 @@ class DecodeGraphs:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
             out = self._forward(st)
-        for dst, src in zip((st.ids, st.pos, st.slots, st.row_ctx, st.table), saved):
-            dst.copy_(src)
         st.graph, st.out = g, out

@@ -74,16 +74,15 @@ def row_plan(step: StepInput, block_size: int) -> tuple[list[int], list[int], li
 class ModelRunner:
     """Owns the model weights and the KV cache object; runs :class:`StepInput` batches.
 
-    ``graphs``: capture decode steps as CUDA graphs (see :class:`~turbo.core.cuda_graphs.DecodeGraphs`; the block
-    ``spec.num_blocks - 1`` must then be left out of the block manager: padded rows write there) for contexts up to
-    ``max_context`` tokens and batches up to ``max_batch``."""
+    ``graphs``: capture decode steps as CUDA graphs (see :class:`~turbo.core.cuda_graphs.DecodeGraphs`) for contexts
+    up to ``max_context`` tokens and batches up to ``max_batch``."""
 
     def __init__(self, model: LlamaModel, spec: KVCacheSpec, kv_params: KVQuantParams | None = None,
                  graphs: bool = False, max_context: int = 0, max_batch: int = 0) -> None:
         self.model, self.block_size = model, spec.block_size
         self.kv_cache = model.backend.allocate_kv_cache(spec, model.dtype, kv_params)
         self.buffers = StepBuffers(model.backend.device)
-        self.graphs = DecodeGraphs(self, max_context, max_batch, scratch_block=spec.num_blocks - 1) if graphs else None
+        self.graphs = DecodeGraphs(self, max_context, max_batch) if graphs else None
 
     @property
     def kv_bytes(self) -> int:

@@ -230,13 +230,11 @@ def start(config: EngineConfig, model: str | Path | None) -> EngineParts:
     kv_params = kv_calibration(fit, load_config(fit.path), llama.cfg)
     num_blocks, workspace_bytes = pool_blocks(fit, fit.platform.free_memory())
     bs = config.block_size
-    # decode steps as CUDA graphs: padded rows write a block the block manager never hands out
-    graphs = (fit.platform.kind == "cuda" and not config.enforce_eager and num_blocks > 1
-              and getattr(fit.backend, "graph_safe_decode", False))
-    usable = num_blocks - 1 if graphs else num_blocks
-    block_manager = BlockManager(usable, bs, config.enable_prefix_caching)
+    graphs = fit.platform.kind == "cuda" and not config.enforce_eager and getattr(fit.backend, "graph_safe_decode",
+                                                                                   False)
+    block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     scheduler = Scheduler(block_manager, config.max_batch_size, config.max_num_batched_tokens)
-    max_ctx = min(llama.cfg.max_position_embeddings, usable * bs)
+    max_ctx = min(llama.cfg.max_position_embeddings, num_blocks * bs)
     try:
         runner = ModelRunner(llama, kv_spec(fit, num_blocks), kv_params, graphs=graphs,
                              max_context=min(config.session_len or max_ctx, max_ctx), max_batch=config.max_batch_size)
@@ -246,7 +244,7 @@ def start(config: EngineConfig, model: str | Path | None) -> EngineParts:
     session_len = min(config.session_len or max_ctx, max_ctx)
     if config.session_len and config.session_len > max_ctx:
         warnings.warn(f"session_len={config.session_len} is capped to {max_ctx} tokens (the model's "
-                      f"max_position_embeddings and the KV pool of {usable * bs} tokens)", stacklevel=4)
+                      f"max_position_embeddings and the KV pool of {num_blocks * bs} tokens)", stacklevel=4)
     eos = set(llama.cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
