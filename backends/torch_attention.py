@@ -68,7 +68,7 @@ def attention_plan(meta: AttentionMetadata, bs: int, device: torch.device):
 def rowwise_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
                        scale: float) -> torch.Tensor:
     """``batch_invariant`` attention: every query row ``[H, D]`` alone over exactly the keys it sees (a row at
-    position ``p`` sees ``p + 1``), with the same operations and shapes whatever else the step holds (batched
+    position ``p`` sees ``p + 1``), in float32, with the same operations and shapes whatever else the step holds (batched
     decode, chunked prefill, a recompute after preemption), so a token's numbers never depend on its batch: a
     GEMM's result may depend on its other dimensions (a padded reduction length changes bf16 blocking on some CPUs).
     K/V come from ``cache.gather`` in the space of ``cache.attention_query``. ``q [T, H, D]`` → ``[T, H, D]``."""
@@ -85,12 +85,14 @@ def rowwise_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: At
     out = q.new_empty(q.shape)
     for qs, rows, ctx, slots in plan:
         kb, vb = cache.gather(layer, slots)  # [KVH, ctx, D]
+        # float32 throughout: exact for 16-bit inputs, and small float32 matmuls are ~60x faster than bfloat16 ones
+        # on a CPU (6.7 ms vs 0.11 ms for one row of 3 KV heads x 40 tokens, 2 busy cores)
+        kb, vb = kb.float(), vb.float()
         kvh = kb.shape[0]
+        qf = q[qs:qs + rows].float()
         for j in range(rows):
             n = ctx - rows + j + 1
-            k, v = kb[:, :n].to(q.dtype).contiguous(), vb[:, :n].to(q.dtype).contiguous()
-            qb = q[qs + j].view(kvh, h // kvh, d)
-            scores = torch.matmul(qb, k.transpose(-1, -2)).float().mul_(scale)  # [KVH, G, n]
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            out[qs + j] = torch.matmul(probs, v).reshape(h, d)
+            k, v = kb[:, :n].contiguous(), vb[:, :n].contiguous()
+            scores = torch.matmul(qf[j].view(kvh, h // kvh, d), k.transpose(-1, -2)).mul_(scale)  # [KVH, G, n]
+            out[qs + j] = torch.matmul(torch.softmax(scores, dim=-1), v).reshape(h, d)
     return out
