@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .formats import LiteturboError, load_config, load_quantized_linears, quantization_spec, write_json
+from .formats import LiteturboError, load_config, load_quantized_linears, make_dirs, quantization_spec, write_json
 from .formats.checkpoint import config_mismatch, weight_files
 from .methods import LayerBatch, _Stop
 
@@ -56,7 +56,7 @@ def open_partial(out: Path, fingerprint: str, state: dict, resume: bool) -> Path
             shutil.rmtree(partial)
     elif resume:
         print(f"[liteturbo] nothing to resume in {partial}; starting from layer 0", file=sys.stderr)
-    partial.mkdir(parents=True, exist_ok=True)
+    make_dirs(partial, "the partial-run folder")
     write_json(state_file, dict(state, fingerprint=fingerprint))
     return partial
 

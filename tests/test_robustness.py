@@ -353,3 +353,32 @@ def test_misc_misuse(engine, smollm2_rtn_g64, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(LiteturboError, match="beyond num_hidden_layers=20"):
         Engine(d, EngineConfig(max_kv_tokens=256))
+
+
+# --- output folders that cannot be created: a clear error before any work, never an OSError traceback ---------------
+def test_unwritable_output_paths_are_refused_by_name(tmp_path):
+    import types
+
+    from lite.formats import check_output_dir
+    from turbo.core.scheduler import Sequence
+    from turbo.serve.sessions import SessionRegistry
+    from turbo.session import Session
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    with pytest.raises(LiteturboError, match=r"cannot create --work-dir .*afile is a file, not a folder"):
+        check_output_dir(a_file / "x", overwrite=False)
+    with pytest.raises(LiteturboError, match=r"cannot create --session-dir"):
+        SessionRegistry(None, session_dir=a_file / "sub")
+    engine = types.SimpleNamespace(new_sequence=lambda: Sequence(seq_id=0))
+    with pytest.raises(LiteturboError, match=r"cannot create the folder of the session"):
+        Session(engine).save(a_file / "sub" / "s")
+
+
+@pytest.mark.parametrize("url", ["notaurl::", "http://[::1"])
+def test_chat_url_that_is_not_a_url_is_refused_by_name(url):
+    pytest.importorskip("httpx")
+    from turbo.serve.client import RemoteSession
+
+    with pytest.raises(LiteturboError, match="is not a valid URL"):
+        RemoteSession(url)

@@ -18,7 +18,7 @@ from typing import Iterator
 
 from safetensors.torch import load_file, save_file
 
-from lite.formats import LiteturboError
+from lite.formats import LiteturboError, make_dirs
 
 from .config import GenerationConfig, generation_config
 from .core.engine import EngineCore
@@ -138,7 +138,7 @@ class Session:
         path = Path(path).expanduser().absolute()
         if path.exists() and not (path / "session.json").is_file():
             raise LiteturboError(f"{path} exists and is not a saved session; choose another folder")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent, "the folder of the session")
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
             n = self.seq.num_computed if include_kv else 0

@@ -13,12 +13,33 @@ from typing import Iterator
 from .errors import LiteturboError
 
 
+def check_writable_parent(path: Path, what: str) -> None:
+    """Refuse (``LiteturboError`` naming ``what``, e.g. ``--work-dir``) a ``path`` whose folder cannot be created or
+    written: the nearest existing ancestor must be a writable folder. Checked before any work is done."""
+    parent = Path(path).expanduser().absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LiteturboError(f"cannot create {what} {path}: {parent} is a file, not a folder; choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LiteturboError(f"cannot create {what} {path}: {parent} is not writable; choose a folder you can write")
+
+
+def make_dirs(path: Path, what: str) -> None:
+    """``path.mkdir(parents=True, exist_ok=True)``, an ``OSError`` turned into ``LiteturboError`` naming ``what``."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LiteturboError(f"cannot create {what} {path} ({e.strerror or e}); choose another path") from None
+
+
 def check_output_dir(target: Path, overwrite: bool, source: Path | None = None) -> Path:
     """Validate an output checkpoint folder before any work; returns it absolute.
 
     Refuses (``LiteturboError``) a folder that exists without ``overwrite``, and even with ``overwrite`` one that
     is or contains the source checkpoint, the current/home/root folder, or a non-empty folder that is not a
-    checkpoint (no config.json): replacing those would destroy data.
+    checkpoint (no config.json): replacing those would destroy data; and one that cannot be created (under a file,
+    or a folder not writable).
     """
     target = Path(target).expanduser().absolute()
     if str(target).strip() == "" or target == Path.cwd() or target == Path.home() or target == Path(target.anchor):
@@ -35,6 +56,7 @@ def check_output_dir(target: Path, overwrite: bool, source: Path | None = None) 
         if non_empty and not (target / "config.json").is_file():
             raise LiteturboError(f"{target} exists and is not a checkpoint folder (no config.json); refusing to "
                                  f"replace it even with --overwrite: choose another --work-dir")
+    check_writable_parent(target, "--work-dir")
     return target
 
 
@@ -46,7 +68,7 @@ def atomic_output_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
     ``LiteturboError`` if ``target`` exists and ``overwrite`` is false.
     """
     target = check_output_dir(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent, "the folder of --work-dir")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp

@@ -39,6 +39,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,7 +47,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lite.formats import LiteturboError
+from lite.formats import LiteturboError, make_dirs
 
 from ..config import GenerationConfig
 from ..engine import Engine, GenerationOutput
@@ -419,6 +420,8 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
     if not is_int(max_request_bytes) or max_request_bytes < 1:  # checked before the (slow) model load
         raise LiteturboError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     keys = _parse_keys(api_keys)
+    if session_dir is not None:  # before the (slow) model load
+        make_dirs(Path(session_dir).expanduser(), "--session-dir")
     engine = Engine(model, **engine_options)
     sessions = SessionRegistry(engine, max_sessions=max_sessions, idle_timeout=session_idle_timeout,
                                session_dir=session_dir)

@@ -52,7 +52,11 @@ class RemoteSession:
         if self.url.endswith("/v1"):
             self.url = self.url[:-3]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        try:
+            self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        except httpx.InvalidURL as e:
+            raise LiteturboError(f"--url {url!r} is not a valid URL ({e}); give http://HOST:PORT as `liteturbo serve` "
+                                 f"prints it") from None
         self.system = system
         self.last: RemoteTurn | None = None
         self.id = self._create()
@@ -62,7 +66,7 @@ class RemoteSession:
 
         try:
             r = self._http.request(method, path, **kw)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise LiteturboError(f"cannot reach the server at {self.url} ({e}); is `liteturbo serve` running "
                                  f"there?") from None
         if r.status_code >= 400:
@@ -104,7 +108,7 @@ class RemoteSession:
                         yield ev["delta"]
                     if ev.get("finish_reason"):
                         final = ev
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise LiteturboError(f"lost the server at {self.url} ({e})") from None
         t_end = time.perf_counter()
         usage = (final or {}).get("usage") or {}

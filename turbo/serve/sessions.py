@@ -11,7 +11,7 @@ import time
 import warnings
 from pathlib import Path
 
-from lite.formats import LiteturboError
+from lite.formats import LiteturboError, make_dirs
 
 from ..errors import Conflict, NotFound, OverCapacity
 from ..session import Session
@@ -24,7 +24,8 @@ class SessionRegistry:
     sessions' KV blocks are evicted first (their histories stay, so their next turn recomputes them) until the
     session expires; ``max_stored`` caps the sessions remembered at all (``OverCapacity`` when full of live ones).
     With ``session_dir``, a session is saved there (with its KV) when its turn ends (:meth:`persist`), and
-    :meth:`restore` reloads the saved ones after a restart. Raises ``NotFound`` for an unknown id.
+    :meth:`restore` reloads the saved ones after a restart. Raises ``NotFound`` for an unknown id, ``LiteturboError``
+    for a ``session_dir`` that cannot be created.
     """
 
     def __init__(self, engine, max_sessions: int = 256, idle_timeout: float = 3600.0,
@@ -32,6 +33,8 @@ class SessionRegistry:
         self.engine, self.max_sessions, self.idle_timeout = engine, max_sessions, idle_timeout
         self.max_stored = max_stored or 16 * max_sessions
         self.session_dir = None if session_dir is None else Path(session_dir).expanduser()
+        if self.session_dir is not None:  # refused at start-up, not by a warning after every turn
+            make_dirs(self.session_dir, "--session-dir")
         self._sessions: "collections.OrderedDict[str, Session]" = collections.OrderedDict()  # LRU first
         self._used: dict[str, float] = {}
         self._lock = threading.RLock()
