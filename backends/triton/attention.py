@@ -127,6 +127,56 @@ def _byte_plane(w, CODE: tl.constexpr):
 
 
 @triton.jit
+def _load_q(q_ptrs, hw_mask, qk_scale, W: tl.constexpr, KV_BITS: tl.constexpr, Q16: tl.constexpr):
+    """(q, q_hi, Σq, qk_scale): the query heads of one KV head ``[BLOCK_H, W_PAD]`` padded with zero rows; for int4
+    the channels of the low nibbles (q) and of the high nibbles (q_hi, else q again) apart; Σq per head (the zero
+    points' share of the scores; zeros for a 16-bit cache). ``Q16`` (int8 under bfloat16 queries): q into float16
+    exactly, scaled by a power of two that brings max|q| into [2^13, 2^14) (bfloat16's 8-bit mantissa fits
+    float16's 11), undone in the returned scores' scale."""
+    q = tl.load(q_ptrs, mask=hw_mask, other=0.0)
+    q_hi = q
+    if KV_BITS == 4:
+        q_hi = tl.load(q_ptrs + W, mask=hw_mask, other=0.0)
+    if Q16:
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+        e = tl.floor(tl.log2(16384.0 / tl.maximum(amax, 1e-30)))
+        e = tl.minimum(tl.maximum(e, -126.0), 127.0)
+        pow2 = ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+        q = (qf * pow2).to(tl.float16)
+        qk_scale = qk_scale / pow2
+    q_sum = tl.sum(q.to(tl.float32), axis=1) * 0.0
+    if KV_BITS != 16:
+        q_sum = tl.sum(q.to(tl.float32), axis=1)
+        if KV_BITS == 4:
+            q_sum += tl.sum(q_hi.to(tl.float32), axis=1)
+    return q, q_hi, q_sum, qk_scale
+
+
+@triton.jit
+def _store_out(o_ptrs, ml_ptrs, acc, acc_hi, acc_z, m_i, l_i, h_mask, hw_mask, W: tl.constexpr,
+               KV_BITS: tl.constexpr, SPLIT: tl.constexpr):
+    """Store a program's result: with ``SPLIT`` the partition's unnormalized output (``[parts, R, H, D]`` float32)
+    and running max (base 2) and sum (``[parts, R, H, 2]``); else the normalized output in the output's dtype. int4:
+    ``acc_hi`` holds output channels ``[D/2, D)``. Quantized KV: the zero points' share ``acc_z`` is subtracted."""
+    if KV_BITS != 16:
+        z_term = tl.sum(acc_z, axis=1)
+        acc = acc - z_term[:, None]
+        acc_hi = acc_hi - z_term[:, None]
+    if SPLIT:
+        tl.store(ml_ptrs, m_i, mask=h_mask)
+        tl.store(ml_ptrs + 1, l_i, mask=h_mask)
+        tl.store(o_ptrs, acc, mask=hw_mask)
+        if KV_BITS == 4:
+            tl.store(o_ptrs + W, acc_hi, mask=hw_mask)
+    else:
+        inv = 1.0 / l_i
+        tl.store(o_ptrs, (acc * inv[:, None]).to(o_ptrs.dtype.element_ty), mask=hw_mask)
+        if KV_BITS == 4:
+            tl.store(o_ptrs + W, (acc_hi * inv[:, None]).to(o_ptrs.dtype.element_ty), mask=hw_mask)
+
+
+@triton.jit
 def _decode_attention_kernel(
         q_ptr, o_ptr, ml_ptr, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
         rows_ptr, seq_ptr, ctx_ptr, bt_ptr, bt_stride, stride_qt, stride_ot, n_slots,
@@ -160,26 +210,8 @@ def _decode_attention_kernel(
         ch_w = (offs_w & ~3) | ((offs_w & 1) << 1) | ((offs_w & 2) >> 1)
     else:
         ch_w = offs_w
-    # [BLOCK_H, W_PAD]: the query heads of this KV head padded to BLOCK_H rows (zeros); for int4 the channels of
-    # the low nibbles (q) and of the high nibbles (q_hi) apart
-    q_row = q_ptr + row * stride_qt + heads[:, None] * D + ch_w[None, :]
-    q = tl.load(q_row, mask=hw_mask, other=0.0)
-    if KV_BITS == 4:
-        q_hi = tl.load(q_row + W, mask=hw_mask, other=0.0)
-    if Q16:
-        # into float16 exactly: scaled by a power of two that brings max|q| into [2^13, 2^14) (bfloat16's 8-bit
-        # mantissa fits float16's 11), undone in the scores' scale
-        qf = q.to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
-        e = tl.floor(tl.log2(16384.0 / tl.maximum(amax, 1e-30)))
-        e = tl.minimum(tl.maximum(e, -126.0), 127.0)
-        pow2 = ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-        q = (qf * pow2).to(tl.float16)
-        qk_scale = qk_scale / pow2
-    if KV_BITS != 16:  # Σq per head: the zero points' share of the scores
-        q_sum = tl.sum(q.to(tl.float32), axis=1)
-        if KV_BITS == 4:
-            q_sum += tl.sum(q_hi.to(tl.float32), axis=1)
+    q, q_hi, q_sum, qk_scale = _load_q(q_ptr + row * stride_qt + heads[:, None] * D + ch_w[None, :], hw_mask,
+                                       qk_scale, W, KV_BITS, Q16)
 
     head_off = kvh.to(tl.int64) * n_slots  # int64: head * n_slots * W passes 2^31 on large pools
     k_base = k_ptr + head_off * W
@@ -197,10 +229,8 @@ def _decode_attention_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, W_PAD), dtype=tl.float32)
-    if KV_BITS == 4:
-        acc_hi = tl.zeros((BLOCK_H, W_PAD), dtype=tl.float32)
-    if KV_BITS != 16:
-        acc_z = tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32)  # Σ_t (p·s)_t (z_t + OFF), reduced after the loop
+    acc_hi = tl.zeros((BLOCK_H, W_PAD), dtype=tl.float32)  # int4's high-nibble output channels (else unused)
+    acc_z = tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32)  # Σ_t (p·s)_t (z_t + OFF), reduced after the loop
     t_lo = part * partition
     t_hi = tl.minimum(t_lo + partition, ctx)
     for start in range(t_lo, t_hi, BLOCK_N):
@@ -277,26 +307,12 @@ def _decode_attention_kernel(
             else:
                 acc = _dot(ps, _codes(vb & 15, CODE, DT), acc * alpha[:, None], F32)
                 acc_hi = _dot(ps, _codes(vb >> 4, CODE, DT), acc_hi * alpha[:, None], F32)
-    if KV_BITS != 16:
-        z_term = tl.sum(acc_z, axis=1)
-        acc = acc - z_term[:, None]
-        if KV_BITS == 4:
-            acc_hi = acc_hi - z_term[:, None]
-    if SPLIT:
-        # this partition's running max (base 2) and sum ([parts, R, H, 2]) and unnormalized output ([parts, R, H, D])
+    if SPLIT:  # this partition's rows of the partials
         base = (part.to(tl.int64) * n_rows + r) * n_heads + heads
-        tl.store(ml_ptr + base * 2, m_i, mask=h_mask)
-        tl.store(ml_ptr + base * 2 + 1, l_i, mask=h_mask)
-        o_ptrs = o_ptr + base[:, None] * D + ch_w[None, :]
-        tl.store(o_ptrs, acc, mask=hw_mask)
-        if KV_BITS == 4:
-            tl.store(o_ptrs + W, acc_hi, mask=hw_mask)
+        o_ptrs, ml_ptrs = o_ptr + base[:, None] * D + ch_w[None, :], ml_ptr + base * 2
     else:
-        inv = 1.0 / l_i
-        o_ptrs = o_ptr + row * stride_ot + heads[:, None] * D + ch_w[None, :]
-        tl.store(o_ptrs, (acc * inv[:, None]).to(o_ptr.dtype.element_ty), mask=hw_mask)
-        if KV_BITS == 4:
-            tl.store(o_ptrs + W, (acc_hi * inv[:, None]).to(o_ptr.dtype.element_ty), mask=hw_mask)
+        o_ptrs, ml_ptrs = o_ptr + row * stride_ot + heads[:, None] * D + ch_w[None, :], ml_ptr
+    _store_out(o_ptrs, ml_ptrs, acc, acc_hi, acc_z, m_i, l_i, h_mask, hw_mask, W, KV_BITS, SPLIT)
 
 
 @triton.jit
