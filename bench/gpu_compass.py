@@ -86,6 +86,7 @@ SECTIONS = [
 ]
 NAMES = [s[0] for s in SECTIONS]
 TEST_FILES = ["tests/test_triton_kernels.py", "tests/test_triton_w4a16.py", "tests/test_triton_attention.py",
+              "tests/test_triton_rotary.py",
               "tests/test_triton_engine.py", "tests/test_cuda_graphs.py", "tests/test_kernels.py",
               "tests/test_platform.py"]
 

@@ -13,7 +13,8 @@ warp-instructions per unit of work and the H200 issue-bound ceiling as a fractio
 - W4A16 (old, ``kernels._w4a16_kernel`` / ``_dequant_w4_kernel``, the pre-issue-22 kernels kept as the reference
   path, still used for irregular act-order ``g_idx``): the same cases as launched by ``kernels.w4a16_gemm``.
 - Attention: from ``bench/gpu_static_attention.py`` (``rows(old)`` and ``summary(rows)``) when it exists.
-- The row-wise kernels (RMSNorm, SiLU-and-mul, quantizing KV write): registers and spills.
+- The row-wise kernels (RMSNorm, SiLU-and-mul, quantizing KV write, rotary fused with the KV write): registers
+  and spills.
 
 ``--old`` prints today's (old) kernels' rows too (the JSON line always carries both W4A16 figures, and with
 ``--old`` today's attention figures as ``..._old``); ``--quick``: only M = 1 and group size 128, attention for GQA
@@ -165,6 +166,15 @@ def rowwise_rows():
                               dict(x_ptr=f"*{dt}", slots_ptr="*i32", store_ptr="*u8", scale_ptr="*fp16",
                                    zero_ptr="*u8", stride_xt="i32", stride_xh="i32", n_slots="i32"),
                               dict(D=d, HALF_PAD=d // 2, D_PAD=d, BITS=bits)))
+        from backends.triton import rotary as Rt
+
+        for write in (True, False):  # Llama-3-8B: 32 heads, 8 KV heads, head dim 128
+            cases.append((f"rotary_kv_write {dt} H=32 KVH=8 D=128 write={write}", Rt._rotary_kv_kernel,
+                          dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", cos_ptr=f"*{dt}", sin_ptr=f"*{dt}",
+                               slots_ptr="*i64", qo_ptr=f"*{dt}", ko_ptr=f"*{dt}", kc_ptr=f"*{dt}", vc_ptr=f"*{dt}",
+                               stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32", stride_vt="i32",
+                               stride_vh="i32", stride_ct="i32", n_slots="i32"),
+                          dict(H=32, KVH=8, HALF=64, HALF_PAD=64, H_PAD=32, KVH_PAD=8, WRITE=write)))
     for name, fn, sig, const in cases:
         try:
             rep = sm90.compile_report(fn, sig, const, 4, 3)

@@ -139,7 +139,7 @@ class TritonBackend(TorchBackend):
             "w8a16_linear": "dequantize + matmul (torch)",
             "rms_norm": k + " on 2-D rows (torch reference for per-head q/k norms)",
             "add_rms_norm": k + ": residual add fused with RMSNorm",
-            "silu_and_mul": k, "rotary": "torch reference",
+            "silu_and_mul": k, "rotary": k + " (fused with the 16-bit KV write; int8/int4: rotary, then the write kernel)",
             "attention": f"{k}: paged decode attention over block tables for decode and chunked rows (Q·Kᵀ and P·V "
                          f"as tensor-core dots over the GQA group padded to 16 rows, int8/int4 codes dotted with "
                          f"scales and zero points folded in, split-KV merged by one combine kernel); torch SDPA "
@@ -240,6 +240,32 @@ class TritonBackend(TorchBackend):
             y = self.kernels.w4a16_gemm(xin, h.qweight, h.scales, h.zeros, h.group_size, h.n, h.k, h.g_idx, h.bias,
                                         split_k=self._split_k(m, h.n, h.k))
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    # --- rotary + KV write -----------------------------------------------------------------------------------
+    def _rotary_ok(self, q, k, v) -> bool:
+        return (self.fused_elementwise and q.shape[-1] % 2 == 0 and q.dtype == k.dtype == v.dtype
+                and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+
+    def rotary(self, q, k, cos, sin):
+        """See :meth:`Backend.rotary`: one Triton launch for q and k (:mod:`backends.triton.rotary`)."""
+        if not self._rotary_ok(q, k, k):
+            return super().rotary(q, k, cos, sin)
+        from .rotary import rotary_kv_write
+
+        return rotary_kv_write(q, k, k, cos, sin)
+
+    def rotary_write(self, q, k, v, cos, sin, cache: PagedKVCache, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """See :meth:`Backend.rotary_write`: rotary and, for a 16/32-bit cache, the K/V store in one Triton launch;
+        an int8/int4 cache gets the rotated keys from that launch and its quantizing write kernel."""
+        if not self._rotary_ok(q, k, v):
+            return super().rotary_write(q, k, v, cos, sin, cache, layer, slots)
+        from .rotary import rotary_kv_write
+
+        if cache.spec.quantized:
+            q_out, k_rot = rotary_kv_write(q, k, v, cos, sin)
+            cache.write(layer, k_rot, v, slots)
+            return q_out
+        return rotary_kv_write(q, k, v, cos, sin, cache.k[layer], cache.v[layer], slots)[0]
 
     # --- elementwise ----------------------------------------------------------------------------------------
     def _rows(self, x: torch.Tensor) -> bool:
