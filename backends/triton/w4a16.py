@@ -177,6 +177,25 @@ def _dot8(acc, x_row, kk, K, d0, d1, d2, d3, d4, d5, d6, d7, EVEN_K: tl.constexp
 
 
 @triton.jit
+def _load_words(w_ptrs, k0, offs_n, NP, EVEN_N: tl.constexpr):
+    """The ``[BK8, BLOCK_N]`` int32 words of the K tile at ``k0`` (tiled layout), streamed once (``evict_first``);
+    columns past the padded ``NP`` masked unless the column block divides it."""
+    if EVEN_N:
+        w = tl.load(w_ptrs + (k0 // 8) * 128, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs + (k0 // 8) * 128, mask=(offs_n < NP)[None, :], other=0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _group_params(z_ptr, s_ptr, g, N, offs_n, n_mask):
+    """Zero points (``[1, BLOCK_N]``, integer) and float32 scales of group ``g`` for the block's columns."""
+    z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0)[None, :]
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    return z, s
+
+
+@triton.jit
 def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                        M, N, K, K8P, NP, stride_xm, k_per_split,
                        GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
@@ -200,14 +219,9 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
     if GROUP == 0:  # one group over K: zero point here, scale at the end
         z = tl.load(z_ptr + offs_n, mask=n_mask, other=0)[None, :]
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_N:
-            w = tl.load(w_ptrs + (k0 // 8) * 128, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs + (k0 // 8) * 128, mask=(offs_n < NP)[None, :], other=0, eviction_policy="evict_first")
+        w = _load_words(w_ptrs, k0, offs_n, NP, EVEN_N)
         if GROUP != 0:
-            g = k0 // GROUP
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0)[None, :]
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            z, s = _group_params(z_ptr, s_ptr, k0 // GROUP, N, offs_n, n_mask)
         d0, d1, d2, d3, d4, d5, d6, d7 = _unpack8(w, z, ASM)
         kk = k0 + offs_r * 8
         if BLOCK_M == 1:
@@ -269,14 +283,9 @@ def _w4a16_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cn
         z = tl.load(z_ptr + offs_n, mask=n_mask, other=0)[None, :]
         s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_N:
-            w = tl.load(w_ptrs + (k0 // 8) * 128, eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptrs + (k0 // 8) * 128, mask=(offs_n < NP)[None, :], other=0, eviction_policy="evict_first")
+        w = _load_words(w_ptrs, k0, offs_n, NP, EVEN_N)
         if GROUP != 0:
-            g = k0 // GROUP
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0)[None, :]
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            z, s = _group_params(z_ptr, s_ptr, k0 // GROUP, N, offs_n, n_mask)
         d0, d1, d2, d3, d4, d5, d6, d7 = _unpack8(w, z, ASM)
         # [BK8, BN] x 8 channels -> [BK, BN] (row 8 r + j): each join adds a minor dimension, so the first join
         # picks bit 2 of j, the last bit 0; then one permute and reshape
