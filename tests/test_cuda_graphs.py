@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-
 from backends import KVCacheSpec, get_backend
 from turbo.core.block_manager import BlockManager
 from turbo.core.cuda_graphs import DecodeGraphs
@@ -16,22 +14,15 @@ from turbo.core.request import StepInput
 from turbo.core.runner import ModelRunner
 
 from conftest import usable_backends
-from tiny_models import save_word_tokenizer
+from tiny_models import build_tiny_llama
 
 BS, NUM_BLOCKS = 4, 24
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-graphs")
-    torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   rms_norm_eps=1e-5, tie_word_embeddings=False)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    hf.save_pretrained(root)
-    save_word_tokenizer(root, cfg.vocab_size)
-    return root
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-graphs"), seed=1, intermediate_size=96,
+                            max_position_embeddings=128, rms_norm_eps=1e-5)
 
 
 def _step(seqs, bm, n_new):

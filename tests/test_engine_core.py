@@ -29,25 +29,13 @@ BS = 8  # tokens per KV block of the test engines
 CFG = dict(dtype="float32", max_kv_tokens=256, block_size=BS, max_num_batched_tokens=16)
 
 
-def _build_tiny(path: Path) -> Path:
-    """A 2-layer float32 Llama (GQA 4/2, head_dim 16, vocab 128, EOS id 1) with weights large enough that greedy
-    decoding follows the context (no single token dominates), and the word-level test tokenizer."""
-    import transformers
-
-    from tiny_models import save_word_tokenizer
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   initializer_range=0.2, eos_token_id=1, bos_token_id=None, pad_token_id=None)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    save_word_tokenizer(path, cfg.vocab_size)
-    return Path(path)
-
-
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    return _build_tiny(tmp_path_factory.mktemp("core") / "tiny")
+    """Weights large enough that greedy decoding follows the context (no single token dominates); EOS id 1."""
+    from tiny_models import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("core") / "tiny", initializer_range=0.2, eos_token_id=1,
+                            bos_token_id=None, pad_token_id=None)
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,18 @@ def build_key_outlier_model(path: Path, seed: int = 0) -> Path:
     return Path(path)
 
 
+def build_tiny_llama(path: Path, seed: int = 0, **config) -> Path:
+    """A random 2-layer float32 Llama (vocab 128, hidden 64, GQA 4/2, head_dim 16 unless ``config`` says otherwise:
+    any ``transformers.LlamaConfig`` field) with the word-level test tokenizer, saved at ``path``."""
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512)
+    cfg = transformers.LlamaConfig(**{**fields, **config})
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    save_word_tokenizer(path, cfg.vocab_size)
+    return Path(path)
+
+
 def save_word_tokenizer(path: Path, vocab_size: int, bos: bool = False) -> None:
     """A word-level tokenizer over the most frequent words of the bundled C4 sample (``[UNK]``, ``</s>`` first),
     so that a tiny model reads real calibration text and runs in the engine.

@@ -59,6 +59,7 @@ class _Fit:
     weights: planner.WeightChoice
     lm_int8: bool
     kv_cache_dtype: str
+    raw_config: dict  # config.json, read once
 
     def workspace(self, context_tokens: int | None = None) -> dict[str, int]:
         """A step's workspace by part (:func:`turbo.core.planner.workspace_breakdown`)."""
@@ -112,7 +113,7 @@ def resolve(config: EngineConfig, model: str | Path | None) -> _Fit:
         and backend.device.type == "cpu" and dtype != torch.float32)
     # config + weight layout the planner counts with, read from the headers once
     return _Fit(path, config, platform, backend, dtype, ModelConfig.from_dict(raw_cfg),
-                planner.weight_choice(path, raw_cfg, lm_int8), lm_int8, config.kv_storage_dtype())
+                planner.weight_choice(path, raw_cfg, lm_int8), lm_int8, config.kv_storage_dtype(), raw_cfg)
 
 
 def check_fits_before_loading(fit: _Fit, free: int) -> None:
@@ -147,12 +148,12 @@ def load_tokenizer(path: Path):
                              f"tokenizer_config.json); copy them from it") from None
 
 
-def kv_calibration(fit: _Fit, raw_cfg: dict, model_cfg: ModelConfig) -> KVQuantParams | None:
+def kv_calibration(fit: _Fit, model_cfg: ModelConfig) -> KVQuantParams | None:
     """Calibrated key parameters of the checkpoint, when the cache is int8/int4 and they are not turned off.
     Raises ``LiteturboError`` for a damaged file or one made for another model shape."""
     if fit.kv_cache_dtype not in ("int8", "int4") or not fit.config.kv_calibration:
         return None
-    params = load_kv_params(fit.path, raw_cfg)
+    params = load_kv_params(fit.path, fit.raw_config)
     if params is not None:
         bad = params.mismatch(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim)
         if bad:
@@ -227,7 +228,7 @@ def start(config: EngineConfig, model: str | Path | None) -> EngineParts:
     check_fits_before_loading(fit, fit.platform.free_memory())
     llama = LlamaModel.from_pretrained(fit.path, fit.backend, fit.dtype, lm_head_int8=fit.lm_int8)
     tokenizer = load_tokenizer(fit.path)
-    kv_params = kv_calibration(fit, load_config(fit.path), llama.cfg)
+    kv_params = kv_calibration(fit, llama.cfg)
     num_blocks, workspace_bytes = pool_blocks(fit, fit.platform.free_memory())
     bs = config.block_size
     graphs = fit.platform.kind == "cuda" and not config.enforce_eager and getattr(fit.backend, "graph_safe_decode",
