@@ -43,6 +43,13 @@ class InternalError(LiteturboError):
     status = 500
 
 
+class EngineDead(LiteturboError):
+    """The engine is gone (its process or a tensor-parallel worker died): 503; the server shuts down. The message
+    names what died and how (exit code or signal)."""
+
+    status = 503
+
+
 def http_status(e: BaseException) -> int:
     """The HTTP status for an exception: the typed ones' ``status``, 400 for other ``LiteturboError``s, else 500."""
     if isinstance(e, LiteturboError):

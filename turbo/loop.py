@@ -44,8 +44,9 @@ class RequestHandle:
     """One submitted request: iterate it (sync or ``async for``) for its text pieces; then ``output`` holds its
     :class:`GenerationOutput`. Iteration re-raises the error that ended the request. ``cancel()`` stops it."""
 
-    def __init__(self, loop: "EngineLoop", req: Request, on_end=None) -> None:
+    def __init__(self, loop: "EngineLoop", req: Request, on_end=None, sink=None) -> None:
         self.loop, self.request = loop, req
+        self.sink = sink  # if set: called as sink(handle, item) on the loop thread instead of queueing the item
         self.output: GenerationOutput | None = None
         self.pieces: list[str] = []
         self._q: queue.Queue = queue.Queue()
@@ -54,6 +55,9 @@ class RequestHandle:
 
     # --- producer side (loop thread) ---------------------------------------------------------------------
     def _push(self, item: Any) -> None:
+        if self.sink is not None:
+            self.sink(self, item)
+            return
         self._q.put(item)
         waiter = getattr(self, "_waiter", None)
         if waiter is not None:
@@ -117,11 +121,13 @@ class RequestHandle:
 class EngineLoop:
     """Drives one engine (:class:`~turbo.core.engine.EngineCore`) from a background thread. ``max_waiting``: requests queued beyond the running
     batch before :meth:`submit` refuses with :class:`OverCapacity` (503). ``observers``: callables given each
-    finished request's :class:`GenerationOutput` on the loop thread (metrics)."""
+    finished request's :class:`GenerationOutput` on the loop thread (metrics). ``on_turn``: callables run on the loop
+    thread after each turn's deliveries (an engine process sends the turn's outputs as one message there)."""
 
     def __init__(self, engine: EngineCore, max_waiting: int = 256, observers: list | None = None) -> None:
         self.engine = engine
         self.observers = list(observers or [])  # called with each finished request's GenerationOutput
+        self.on_turn: list = []  # called after each turn (steps and calls) on the loop thread
         self.max_waiting = max_waiting
         self._handles: dict[int, RequestHandle] = {}
         self._calls: queue.Queue = queue.Queue()
@@ -152,25 +158,28 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     # --- submitting ------------------------------------------------------------------------------------------
-    def submit(self, prompt: str | list[int], gen: GenerationConfig | None = None, priority: int = 0) -> RequestHandle:
+    def submit(self, prompt: str | list[int], gen: GenerationConfig | None = None, priority: int = 0,
+               sink=None) -> RequestHandle:
         """Queue a raw prompt (text or token ids). Raises ``InvalidRequest`` for a bad prompt or options (checked
-        here, on the caller's thread) and ``OverCapacity`` when too many requests wait."""
+        here, on the caller's thread) and ``OverCapacity`` when too many requests wait. ``sink``: see
+        :class:`RequestHandle` (the handle's items go there instead of its queue)."""
         self._check_capacity()
         with self.engine.lock, _typed():
             req = self.engine.add_request(prompt, gen or GenerationConfig(), priority=priority)
-            return self._register(RequestHandle(self, req))
+            return self._register(RequestHandle(self, req, sink=sink))
 
     def submit_chat(self, session: Session, message: str, gen: GenerationConfig | None = None,
-                    priority: int = 0, on_end=None) -> RequestHandle:
+                    priority: int = 0, on_end=None, sink=None) -> RequestHandle:
         """Queue the next turn of ``session``; its history is updated when the turn ends (also when cancelled or
         failed, as :meth:`Session.end_turn` does), then ``on_end()`` runs on the loop thread (e.g. saving the
-        session). Raises ``Conflict`` while the session generates."""
+        session). Raises ``Conflict`` while the session generates. ``sink``: as for :meth:`submit`."""
         if not isinstance(message, str) or not message.strip():
             raise InvalidRequest("the message must be a non-empty str")
         self._check_capacity()
         with _typed():
             req, messages = session.begin_turn(message, gen or GenerationConfig(), priority)
-        handle = RequestHandle(self, req)
+        handle = RequestHandle(self, req, sink=sink)
+
         def end(out):
             session.end_turn(req, messages, out, handle.pieces_sent)
             if on_end is not None:
@@ -193,10 +202,13 @@ class EngineLoop:
         self._wake.set()
         return handle
 
-    def _call(self, fn) -> None:
-        """Run ``fn`` on the loop thread (between steps)."""
+    def call_soon(self, fn) -> None:
+        """Run ``fn()`` on the loop thread between steps, holding the engine's lock (the calls queued during a step
+        all run before the next one). An exception it raises is its own business: catch it inside ``fn``."""
         self._calls.put(fn)
         self._wake.set()
+
+    _call = call_soon
 
     # --- the loop thread -------------------------------------------------------------------------------------
     def _cancel(self, handle: RequestHandle) -> None:
@@ -239,6 +251,7 @@ class EngineLoop:
                 with eng.lock:
                     fn()
             if not eng.has_unfinished():
+                self._turn_done()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -249,6 +262,12 @@ class EngineLoop:
                     pass
                 for h in list(self._handles.values()):
                     self._deliver(h)
+            self._turn_done()
         with eng.lock:  # stopping: cancel what is left so that no blocks stay allocated
             for h in list(self._handles.values()):
                 self._cancel(h)
+        self._turn_done()
+
+    def _turn_done(self) -> None:
+        for fn in self.on_turn:
+            fn()

@@ -20,9 +20,13 @@ the server has keys); each reads what it serves from ``request.app.state.served`
 checking request bodies is :mod:`turbo.serve.protocol`; the response shapes and server-sent events are
 :mod:`turbo.serve.responses`.
 
-All generation goes through one :class:`~turbo.loop.EngineLoop`: the model's forward runs on its background thread,
-never on the asyncio event loop; request checks and tokenization run in the thread pool. A client that disconnects
-(streaming or not) cancels its request, which frees its KV blocks at the loop's next turn.
+The routes talk to an engine client (:mod:`turbo.serve.engine_client`): ``liteturbo serve`` runs the engine core in a
+process of its own (:class:`~turbo.serve.mp_client.MPClient`, :mod:`turbo.serve.engine_proc`), so this process's
+event loop only answers HTTP; ``create_app(engine)`` serves an engine of this process through its
+:class:`~turbo.loop.EngineLoop` (:class:`~turbo.serve.engine_client.InprocClient`). Either way the model's forward
+never runs on the asyncio event loop; request checks and tokenization run in the thread pool. A client that
+disconnects (streaming or not) cancels its request, which frees its KV blocks at the engine's next turn. When the
+engine process dies, open requests end with 503 naming the cause, ``/health`` answers 503 and the server exits.
 
 Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad request (the message names the field
 and the fix), 401 missing or wrong API key, 404 unknown model / session / route, 409 session busy, 413 body too
@@ -53,11 +57,12 @@ from ..config import GenerationConfig
 from ..engine import Engine, GenerationOutput
 from ..errors import NotFound
 from ..loop import EngineLoop, RequestHandle
-from ..session import Session
 from . import protocol
+from .engine_client import InprocClient
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import MAX_LOGPROBS, gen_config, is_int, read_json
 from .responses import APIError, Job, Logprobs, Tokens, cancelled_error, engine_error, event_stream, reply_body, usage
+from .mp_client import MPClient
 from .sessions import SessionRegistry
 
 API_KEYS_ENV = "LITETURBO_API_KEYS"
@@ -65,44 +70,35 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 23333
 
 
 @dataclass
-class SessionEntry:
-    """A session of the registry and what the server keeps beside it: its sampling defaults (keywords)."""
-
-    session: Session
-    defaults: dict
-    created: int | None = None
-
-
-@dataclass
 class Served:
-    """What one app serves, at ``app.state.served``: the engine, its loop, the session registry, the model id
-    clients name, the API keys (empty: no authentication), the body size limit and the sessions' server-side
-    metadata (id -> (sampling defaults, creation time); none for sessions the registry restored)."""
+    """What one app serves, at ``app.state.served``: the engine client (in this process or in the engine
+    process), the model id clients name, the API keys (empty: no authentication), the body size limit and the
+    sessions' server-side metadata (id -> (sampling defaults, creation time); none for sessions the registry
+    restored)."""
 
-    engine: Engine
-    loop: EngineLoop
-    sessions: SessionRegistry
+    client: InprocClient | MPClient
     model_id: str
     keys: list[bytes]
     max_request_bytes: int
-    owns_loop: bool
+    owns_client: bool
     metrics: ServerMetrics
     chat_page: str
     tokens: Tokens
     started: int = field(default_factory=lambda: int(time.time()))
     session_meta: dict[str, tuple[dict, int]] = field(default_factory=dict)
-
-    def persist(self, sid: str):
-        """What runs when a turn of ``sid`` ends: save it under the session dir (nothing without one)."""
-        return (lambda: self.sessions.persist(sid)) if self.sessions.session_dir is not None else None
+    persist: bool = False  # save sessions under the session dir after every turn
 
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "liteturbo",
-                "max_model_len": self.engine.session_len}
+                "max_model_len": self.client.session_len}
 
     def gen(self, *layers: dict) -> GenerationConfig:
         """A request's :class:`~turbo.config.GenerationConfig` (400 when the layers do not fit)."""
-        return gen_config(self.engine.session_len, *layers)
+        return gen_config(self.client.session_len, *layers)
+
+    def defaults(self, sid: str) -> tuple[dict, int | None]:
+        """Session ``sid``'s sampling defaults and creation time (``({}, None)`` for one the registry restored)."""
+        return self.session_meta.get(sid, ({}, None))
 
 
 def served(request: Request) -> Served:
@@ -208,16 +204,14 @@ async def respond(request: Request, job: Job, handle: RequestHandle) -> Response
     return JSONResponse(reply_body(job, out, tokens, handle))
 
 
-async def get_session(s: Served, sid: str) -> SessionEntry:
-    """The session ``sid`` with its server-side metadata; 404 for an unknown id."""
-    # in the thread pool: the registry may close expired sessions, which waits for the engine's step
+async def on_session(s: Served, fn, sid: str, *args):
+    """``fn(sid, *args)`` in the thread pool (the registry may close expired sessions, which waits for the engine's
+    step); 404 for an unknown id."""
     try:
-        session = await run_in_threadpool(s.sessions.get, sid)
+        return await run_in_threadpool(fn, sid, *args)
     except NotFound as e:
         s.session_meta.pop(sid, None)
         raise APIError(404, str(e), param="session_id", code="session_not_found") from None
-    defaults, created = s.session_meta.get(sid, ({}, None))  # none for sessions the registry restored
-    return SessionEntry(session, defaults, created)
 
 
 # --- routes ----------------------------------------------------------------------------------------------------------
@@ -234,8 +228,8 @@ async def prometheus_metrics(request: Request):
 @root.get("/health")
 async def health(request: Request):
     s = served(request)
-    if not s.loop.running:
-        return APIError(503, "the engine loop is not running").response()
+    if not s.client.running:
+        return APIError(503, s.client.dead or "the engine loop is not running").response()
     return {"status": "ok", "model": s.model_id}
 
 
@@ -266,17 +260,17 @@ async def chat_completions(request: Request):
     lp = None if req.top_logprobs is None else Logprobs(req.top_logprobs, chat=True)
     job = Job("chat", s.model_id, req.stream, req.include_usage, lp)
     want_lp = {"logprobs": MAX_LOGPROBS} if lp else {}
+    c = s.client
     if req.session_id is None:
         gen = s.gen(req.sampling, want_lp)
-        handle = await run_in_threadpool(lambda: s.loop.submit(s.engine.chat_template_ids(req.messages), gen))
+        handle = await run_in_threadpool(lambda: c.submit(c.chat_template_ids(req.messages), gen))
         return await respond(request, job, handle)
-    entry = await get_session(s, req.session_id)
+    await on_session(s, c.check_session, req.session_id)  # 404 first
     if req.messages[-1]["role"] != "user":
         raise APIError(400, "with 'session_id' the last message must be the user's new message (the "
                             "session keeps the earlier ones)", param="messages")
-    gen = s.gen(entry.defaults, req.sampling, want_lp)
-    handle = await run_in_threadpool(s.loop.submit_chat, entry.session, req.messages[-1]["content"], gen, 0,
-                                     s.persist(req.session_id))
+    gen = s.gen(s.defaults(req.session_id)[0], req.sampling, want_lp)
+    handle = await on_session(s, c.submit_chat, req.session_id, req.messages[-1]["content"], gen, s.persist)
     return await respond(request, job, handle)
 
 
@@ -286,7 +280,7 @@ async def completions(request: Request):
     req = protocol.read_completion(await read_json(request, s.max_request_bytes), s.model_id)
     lp = None if req.logprobs is None else Logprobs(req.logprobs, chat=False)
     gen = s.gen({"max_new_tokens": 16}, req.sampling, {"logprobs": MAX_LOGPROBS} if lp else {})
-    handle = await run_in_threadpool(s.loop.submit, req.prompt, gen)
+    handle = await run_in_threadpool(s.client.submit, req.prompt, gen)
     return await respond(request, Job("completion", s.model_id, req.stream, req.include_usage, lp), handle)
 
 
@@ -295,9 +289,9 @@ async def create_session(request: Request):
     s = served(request)
     req = protocol.read_new_session(await read_json(request, s.max_request_bytes, allow_empty=True))
     s.gen(req.defaults)  # bad defaults fail now, not at the first turn
-    sid, _ = await run_in_threadpool(s.sessions.create, req.system)  # OverCapacity (503) when full
+    sid = await run_in_threadpool(s.client.session_create, req.system)  # OverCapacity (503) when full
     created = int(time.time())
-    for gone in set(s.session_meta) - {i for i, _ in s.sessions.items()}:  # expired in the registry
+    for gone in set(s.session_meta) - set(await run_in_threadpool(s.client.session_ids)):  # expired ones
         s.session_meta.pop(gone, None)
     s.session_meta[sid] = (req.defaults, created)
     return JSONResponse(status_code=201, content={"id": sid, "object": "session", "created": created,
@@ -308,31 +302,27 @@ async def create_session(request: Request):
 @v1.post("/sessions/{sid}/chat")
 async def session_chat(sid: str, request: Request):
     s = served(request)
-    entry = await get_session(s, sid)
+    await on_session(s, s.client.check_session, sid)  # 404 before reading the body
     turn = protocol.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
-    gen = s.gen(entry.defaults, turn.sampling)
-    handle = await run_in_threadpool(s.loop.submit_chat, entry.session, turn.content, gen, 0, s.persist(sid))
+    gen = s.gen(s.defaults(sid)[0], turn.sampling)
+    handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist)
     return await respond(request, Job("session", s.model_id, turn.stream, session_id=sid), handle)
 
 
 @v1.get("/sessions/{sid}")
 async def session_info(sid: str, request: Request):
     s = served(request)
-    entry = await get_session(s, sid)
-    sess, last = entry.session, entry.session.last
-    return {"id": sid, "object": "session", "created": entry.created, "model": s.model_id, "system": sess.system,
-            "messages": list(sess.messages), "busy": sess.busy, "tokens": len(sess.seq.token_ids),
-            "kv_resident_tokens": sess.seq.num_computed, "defaults": protocol.api_fields(entry.defaults),
-            "last_usage": None if last is None else usage(last)}
+    info = await on_session(s, s.client.session_info, sid)
+    defaults, created = s.defaults(sid)
+    last = info.pop("last")
+    return {"id": sid, "object": "session", "created": created, "model": s.model_id, **info,
+            "defaults": protocol.api_fields(defaults), "last_usage": None if last is None else usage(last)}
 
 
 @v1.delete("/sessions/{sid}")
 async def delete_session(sid: str, request: Request):
     s = served(request)
-    try:
-        await run_in_threadpool(s.sessions.delete, sid)  # Conflict (409) while a reply generates
-    except NotFound as e:
-        raise APIError(404, str(e), param="session_id", code="session_not_found") from None
+    await on_session(s, s.client.session_delete, sid)  # Conflict (409) while a reply generates
     s.session_meta.pop(sid, None)
     return {"id": sid, "object": "session.deleted", "deleted": True}
 
@@ -343,12 +333,17 @@ async def delete_session(sid: str, request: Request):
 async def _lifespan(app: FastAPI):
     yield
     s: Served = app.state.served
-    if s.owns_loop:
-        await run_in_threadpool(s.loop.stop)
+    if s.owns_client:
+        await run_in_threadpool(s.client.close)
 
 
-def _checked_sessions(engine: Engine, sessions: SessionRegistry | None) -> SessionRegistry:
-    """The registry to serve (a new one by default), with the sessions a session dir holds restored."""
+def _inproc_client(engine: Engine, loop: EngineLoop | None, sessions: SessionRegistry | None) -> InprocClient:
+    """The in-process client of ``engine``: its loop started, its registry checked, a session dir restored."""
+    if not isinstance(engine, Engine):
+        raise LiteturboError(f"create_app needs an Engine (or an MPClient), got {type(engine).__name__}")
+    loop = (loop or engine.loop).start()  # the engine's own loop (astream shares it) unless one is given
+    if loop.engine is not engine:
+        raise LiteturboError("the EngineLoop drives another Engine; pass the loop of this engine")
     if sessions is None:
         sessions = SessionRegistry(engine)
     if not isinstance(sessions, SessionRegistry) or sessions.engine is not engine:
@@ -357,13 +352,15 @@ def _checked_sessions(engine: Engine, sessions: SessionRegistry | None) -> Sessi
         restored = sessions.restore()  # sessions saved by an earlier run (with --session-dir)
         if restored:
             print(f"[liteturbo] restored {restored} session(s) from {sessions.session_dir}", file=sys.stderr)
-    return sessions
+    return InprocClient(engine, loop, sessions)
 
 
-def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str | None = None,
+def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_name: str | None = None,
                api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20,
-               sessions: SessionRegistry | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``.
+               sessions: SessionRegistry | None = None, session_dir: bool | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``: an :class:`Engine` in this process, or an
+    :class:`~turbo.serve.mp_client.MPClient` of an engine process (then ``loop`` and ``sessions`` must be None and
+    the app closes the client when it shuts down).
 
     loop: the :class:`EngineLoop` that drives the engine (default: the engine's own, :attr:`Engine.loop`, which
     ``Engine.astream`` shares; it is stopped when the app shuts down and restarts on its next use; one given is
@@ -372,28 +369,30 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
     request must carry (a list, or one comma-separated string); ``None`` reads the environment variable
     ``LITETURBO_API_KEYS``; empty = no authentication. max_request_bytes: larger bodies get 413. sessions: the
     :class:`~turbo.serve.sessions.SessionRegistry` behind ``/v1/sessions`` (default: ``SessionRegistry(engine)``,
-    with its idle expiry and caps). Raises ``LiteturboError`` for bad arguments.
+    with its idle expiry and caps). session_dir: whether sessions are saved after every turn (default: whether
+    the registry has a session dir; an MPClient's engine process saves when this is true). Raises
+    ``LiteturboError`` for bad arguments.
     """
-    if not isinstance(engine, Engine):
-        raise LiteturboError(f"create_app needs an Engine, got {type(engine).__name__}")
     if not is_int(max_request_bytes) or max_request_bytes < 1:
         raise LiteturboError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     keys = [k.encode() for k in _parse_keys(api_keys)]
-    owned = loop is None
-    loop = (loop or engine.loop).start()  # the engine's own loop (astream shares it) unless one is given
-    if loop.engine is not engine:
-        raise LiteturboError("the EngineLoop drives another Engine; pass the loop of this engine")
-    sessions = _checked_sessions(engine, sessions)
-    metrics = ServerMetrics(engine, sessions=lambda: len(sessions))
-    loop.observers.append(metrics.observe)
+    if isinstance(engine, MPClient):
+        if loop is not None or sessions is not None:
+            raise LiteturboError("with an MPClient the engine process owns the loop and the sessions: pass neither")
+        client, owned = engine, True
+    else:
+        client, owned = _inproc_client(engine, loop, sessions), loop is None
+        session_dir = client.sessions.session_dir is not None if session_dir is None else session_dir
+    metrics = ServerMetrics(client, sessions=client.num_sessions)
+    client.observers.append(metrics.observe)
     chat_page = (resources.files(__package__) / "static" / "chat.html").read_text(encoding="utf-8")
-    s = Served(engine, loop, sessions, model_name or engine.path.name, keys, max_request_bytes, owned, metrics,
-               chat_page, Tokens(engine.tokenizer))
+    s = Served(client, model_name or client.path.name, keys, max_request_bytes, owned, metrics, chat_page,
+               Tokens(client.tokenizer), persist=bool(session_dir))
     app = FastAPI(title="liteturbo", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.state.served = s
-    app.state.engine, app.state.loop, app.state.sessions, app.state.model_name = engine, loop, sessions, s.model_id
-    app.state.metrics = metrics
+    app.state.served, app.state.model_name, app.state.metrics = s, s.model_id, metrics
+    if isinstance(client, InprocClient):
+        app.state.engine, app.state.loop, app.state.sessions = client.engine, client.loop, client.sessions
     for exc, handler in ((APIError, _api_error), (LiteturboError, _engine_failure),
                          (StarletteHTTPException, _http_error), (RequestValidationError, _validation_error),
                          (Exception, _engine_failure)):
@@ -406,15 +405,14 @@ def create_app(engine: Engine, loop: EngineLoop | None = None, model_name: str |
 def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: str | None = None,
           api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20, log_level: str = "info",
           session_dir: str | None = None, max_sessions: int = 256, session_idle_timeout: float = 3600.0,
-          **engine_options) -> None:
+          engine_process: bool = True, **engine_options) -> None:
     """Load ``model`` (name or checkpoint folder) into an :class:`Engine` with ``engine_options``
     (:class:`~turbo.config.EngineConfig` fields) and serve it with uvicorn on ``host:port`` until interrupted.
-    ``api_keys``: see :func:`create_app` (``None`` reads ``LITETURBO_API_KEYS``). ``session_dir``,
+    ``engine_process``: run the engine in a process of its own (:mod:`turbo.serve.engine_proc`; default) or in
+    this one. ``api_keys``: see :func:`create_app` (``None`` reads ``LITETURBO_API_KEYS``). ``session_dir``,
     ``max_sessions``, ``session_idle_timeout``: the :class:`~turbo.serve.sessions.SessionRegistry` (sessions saved
     after every turn and restored at start with a session dir). Raises ``LiteturboError`` for a bad model or
-    option."""
-    import uvicorn  # only to run: create_app alone does not need it
-
+    option, and when the engine process died while serving (after the server stopped)."""
     if not is_int(port) or not 0 <= port <= 65535:
         raise LiteturboError(f"port must be an integer in [0, 65535], got {port!r}")
     if not is_int(max_request_bytes) or max_request_bytes < 1:  # checked before the (slow) model load
@@ -422,16 +420,40 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
     keys = _parse_keys(api_keys)
     if session_dir is not None:  # before the (slow) model load
         make_dirs(Path(session_dir).expanduser(), "--session-dir")
-    engine = Engine(model, **engine_options)
-    sessions = SessionRegistry(engine, max_sessions=max_sessions, idle_timeout=session_idle_timeout,
-                               session_dir=session_dir)
-    app = create_app(engine, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
-                     sessions=sessions)
+    registry = dict(max_sessions=max_sessions, idle_timeout=session_idle_timeout, session_dir=session_dir)
+    if engine_process:
+        client = MPClient(model, engine_options, registry)
+        if client.restored:
+            print(f"[liteturbo] restored {client.restored} session(s) from {session_dir}", file=sys.stderr)
+        app = create_app(client, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
+                         session_dir=session_dir is not None)
+    else:
+        engine = Engine(model, **engine_options)
+        app = create_app(engine, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
+                         sessions=SessionRegistry(engine, **registry))
+    _run(app, host, port, log_level, bool(keys))
+
+
+def _run(app: FastAPI, host: str, port: int, log_level: str, keys: bool) -> None:
+    """Serve ``app`` with uvicorn until interrupted, or until its engine process dies (then raise why)."""
+    import uvicorn  # only to run: create_app alone does not need it
+
+    client = app.state.served.client
     if not keys and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[liteturbo] warning: serving on {host} without --api-keys: anyone who can reach this port can use "
               f"the model", file=sys.stderr)
-    print(f"[liteturbo] serving '{app.state.model_name}' ({engine.backend.name} backend on {engine.platform.device}, "
-          f"session_len {engine.session_len}) at http://{host}:{port}/v1"
-          f"{' (API keys required)' if keys else ''}", file=sys.stderr)
-    # on Ctrl+C, open streams get 5 s to end; then their requests are cancelled and the engine loop stops
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    print(f"[liteturbo] serving '{app.state.model_name}' ({client.backend_name} backend on {client.device}, "
+          f"session_len {client.session_len}{', engine process' if isinstance(client, MPClient) else ''}) at "
+          f"http://{host}:{port}/v1{' (API keys required)' if keys else ''}", file=sys.stderr)
+    # on Ctrl+C, open streams get 5 s to end; then their requests are cancelled and the engine stops
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    dead = []
+    if isinstance(client, MPClient):
+        client.on_dead.append(lambda why: (dead.append(why), setattr(server, "should_exit", True)))
+    try:
+        server.run()
+    finally:
+        client.close()
+    if dead:
+        raise LiteturboError(f"stopped serving: {dead[0]}")

@@ -1,0 +1,117 @@
+"""What the HTTP routes talk to: an engine client, in this process (:class:`InprocClient`) or in an engine process
+(:class:`~turbo.serve.mp_client.MPClient`), both with the same methods.
+
+A client submits generations (``submit``: a prompt; ``submit_chat``: a session's next turn) and returns
+:class:`~turbo.loop.RequestHandle`-like handles (iterate them for text pieces; ``output`` is the
+:class:`~turbo.core.request.GenerationOutput` afterwards; ``request.output_ids`` / ``request.logprobs`` /
+``request.stop_ids`` hold what logprobs answers need; ``cancel()``); it creates, describes and deletes sessions by
+id; it answers ``stats()`` for the metrics and ``running`` / ``dead`` for ``/health``; it tokenizes chat
+conversations (``chat_template_ids``) with the model's tokenizer.
+
+Also here, shared by both sides of the engine process: :func:`session_facts` (what ``GET /v1/sessions/{id}``
+shows) and the wire form of errors (:func:`error_to_wire`, :func:`error_from_wire`), which keeps their type, so
+a 400 / 404 / 409 / 503 raised in the engine process is answered the same as in one process.
+"""
+from __future__ import annotations
+
+from lite.formats import LiteturboError
+
+from .. import errors
+from ..config import GenerationConfig
+from ..engine import Engine
+from ..loop import EngineLoop, RequestHandle
+from .sessions import SessionRegistry
+
+_TYPED = {c.__name__: c for c in (errors.InvalidRequest, errors.NotFound, errors.Conflict, errors.OverCapacity,
+                                  errors.InternalError, errors.EngineDead, LiteturboError)}
+
+
+def error_to_wire(e: BaseException) -> tuple:
+    """A picklable stand-in for ``e``: (type name, message, retry_after)."""
+    return type(e).__name__, str(e), getattr(e, "retry_after", None)
+
+
+def error_from_wire(wire: tuple) -> BaseException:
+    """The exception :func:`error_to_wire` described: the same typed error for liteturbo's errors; any other
+    exception (a kernel's ``RuntimeError``) becomes an :class:`~turbo.errors.InternalError` naming it."""
+    name, message, retry_after = wire
+    cls = _TYPED.get(name)
+    if cls is errors.OverCapacity:
+        return cls(message, retry_after=retry_after or 1.0)
+    if cls is not None:
+        return cls(message)
+    return errors.InternalError(f"the engine failed while running this request ({name}: {message}); see the server "
+                                f"log")
+
+
+def session_facts(session) -> dict:
+    """What ``GET /v1/sessions/{id}`` shows of a :class:`~turbo.session.Session`: ``system``, ``messages``,
+    ``busy``, ``tokens`` (history length), ``kv_resident_tokens`` and ``last`` (its last turn's
+    :class:`~turbo.core.request.GenerationOutput` or ``None``)."""
+    return {"system": session.system, "messages": list(session.messages), "busy": session.busy,
+            "tokens": len(session.seq.token_ids), "kv_resident_tokens": session.seq.num_computed,
+            "last": session.last}
+
+
+class InprocClient:
+    """The engine in this process: ``engine`` driven by ``loop`` (an :class:`~turbo.loop.EngineLoop`), sessions
+    by id in ``sessions`` (a :class:`~turbo.serve.sessions.SessionRegistry` of this engine)."""
+
+    def __init__(self, engine: Engine, loop: EngineLoop, sessions: SessionRegistry) -> None:
+        self.engine, self.loop, self.sessions = engine, loop, sessions
+        self.tokenizer, self.path, self.session_len = engine.tokenizer, engine.path, engine.session_len
+        self.backend_name, self.device = engine.backend.name, str(engine.platform.device)
+        self.observers = loop.observers  # called with each finished request's GenerationOutput
+        self.dead: str | None = None  # an engine in this process dies with it
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine loop runs (``/health``)."""
+        return self.loop.running
+
+    def chat_template_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template (raises ``LiteturboError``)."""
+        return self.engine.chat_template_ids(messages)
+
+    def submit(self, prompt: str | list[int], gen: GenerationConfig, priority: int = 0) -> RequestHandle:
+        """Queue a prompt (text or ids); see :meth:`turbo.loop.EngineLoop.submit` for the errors."""
+        return self.loop.submit(prompt, gen, priority)
+
+    def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False) -> RequestHandle:
+        """Queue session ``sid``'s next turn (saved under the session dir when it ends if ``persist``); raises
+        ``NotFound`` for an unknown id, ``Conflict`` while it generates, ``InvalidRequest`` for a bad message."""
+        session = self.sessions.get(sid)
+        on_end = (lambda: self.sessions.persist(sid)) if persist else None
+        return self.loop.submit_chat(session, message, gen, 0, on_end)
+
+    def session_create(self, system: str | None = None) -> str:
+        """A new session's id (``OverCapacity`` when the registry is full)."""
+        return self.sessions.create(system)[0]
+
+    def check_session(self, sid: str) -> None:
+        """Raises ``NotFound`` unless ``sid`` is a live session."""
+        self.sessions.get(sid)
+
+    def session_info(self, sid: str) -> dict:
+        """:func:`session_facts` of ``sid`` (``NotFound`` for an unknown id)."""
+        return session_facts(self.sessions.get(sid))
+
+    def session_delete(self, sid: str) -> None:
+        """Delete ``sid`` (``NotFound``; ``Conflict`` while it generates)."""
+        self.sessions.delete(sid)
+
+    def session_ids(self) -> list[str]:
+        """The ids of the live sessions."""
+        return [sid for sid, _ in self.sessions.items()]
+
+    def num_sessions(self) -> int:
+        """How many sessions live."""
+        return len(self.sessions)
+
+    def stats(self) -> dict:
+        """The engine's counters (:meth:`turbo.core.engine.EngineCore.stats`)."""
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Stop the loop (open requests are cancelled)."""
+        self.loop.stop()

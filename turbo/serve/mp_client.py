@@ -1,0 +1,304 @@
+"""The HTTP front's side of the engine process: :class:`MPClient` starts :func:`~turbo.serve.engine_proc.run_engine_process`
+in a process of its own (``python -m turbo.serve.engine_proc``, so no ``__main__`` guard is needed in the caller's
+script) and offers the methods of
+:class:`~turbo.serve.engine_client.InprocClient` over two pyzmq sockets (messages: :mod:`turbo.serve.engine_proc`).
+
+The front renders chat templates and tokenizes prompts with its own copy of the tokenizer, so the engine process
+receives token ids. One receiver thread reads the engine's messages: a submission's acknowledgement (its error
+raised for the caller: 400 / 404 / 409 / 503 as in one process), each loop turn's outputs (fed to the requests'
+:class:`RemoteHandle` queues, then to ``observers`` when a request ends) and call replies. It also watches the
+engine process: when it dies (or says a tensor-parallel worker died), every open request ends with
+:class:`~turbo.errors.EngineDead` (503 naming the cause), ``running`` turns false (``/health`` answers 503),
+``dead`` says why and the ``on_dead`` callbacks run (the server then exits).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from lite.formats import LiteturboError
+
+from ..config import GenerationConfig
+from ..core.inputs import chat_template_ids, encode
+from ..core.startup import load_tokenizer
+from ..errors import EngineDead, InvalidRequest
+from ..loop import RequestHandle
+from .engine_client import error_from_wire
+
+
+class RemoteRequest:
+    """What the front knows of a request in the engine process: ``output_ids``, ``logprobs`` (per token, when
+    asked) and ``stop_ids`` (ids whose text is never shown)."""
+
+    def __init__(self) -> None:
+        self.output_ids: list[int] = []
+        self.logprobs: list = []
+        self.stop_ids: set[int] = set()
+
+
+class RemoteHandle(RequestHandle):
+    """A :class:`~turbo.loop.RequestHandle` whose request runs in the engine process: iterate it (sync or async)
+    for text pieces; ``output`` afterwards; ``cancel()`` asks the engine process to stop it (its KV blocks are
+    freed at the engine's next turn)."""
+
+    def __init__(self, client: "MPClient", rid: int) -> None:
+        super().__init__(None, RemoteRequest())
+        self.client, self.rid = client, rid
+        self.ack: concurrent.futures.Future = concurrent.futures.Future()
+
+    def cancel(self) -> None:
+        if not self._ended:
+            self.client.send(("cancel", self.rid))
+
+    def feed(self, text: str, ids: list[int], lps: list, end) -> None:
+        """Receiver thread: a turn's output of this request."""
+        self.request.output_ids.extend(ids)
+        self.request.logprobs.extend(lps)
+        if text:
+            self._push(text)
+        if end is not None:
+            self._ended = True
+            self._push(end)
+
+
+class MPClient:
+    """Starts the engine process for ``model`` (name or folder) with ``engine_options``
+    (:class:`~turbo.config.EngineConfig` fields), a session registry with ``registry`` keywords
+    (``max_sessions``, ``idle_timeout``, ``session_dir``) and ``max_waiting``; waits until it is loaded (raises
+    ``LiteturboError`` with the engine's own message when loading fails). ``close()`` stops it."""
+
+    def __init__(self, model, engine_options: dict | None = None, registry: dict | None = None,
+                 max_waiting: int = 256, start_timeout: float = 1800.0) -> None:
+        import zmq
+
+        self.zmq = zmq
+        self.observers: list = []  # called with each finished request's GenerationOutput (receiver thread)
+        self.on_dead: list = []  # called once with the reason when the engine process dies
+        self.dead: str | None = None
+        self._ipc = Path(tempfile.mkdtemp(prefix="liteturbo-ipc-"))
+        self.ctx = zmq.Context()
+        self._to = self.ctx.socket(zmq.PUSH)
+        self._to.setsockopt(zmq.SNDHWM, 0)
+        self._to.bind(f"ipc://{self._ipc / 'to_engine'}")
+        self._from = self.ctx.socket(zmq.PULL)
+        self._from.setsockopt(zmq.RCVHWM, 0)
+        self._from.bind(f"ipc://{self._ipc / 'to_front'}")
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self._ids = itertools.count(1)
+        self._handles: dict[int, RemoteHandle] = {}
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        spec = {"model": None if model is None else str(model), "engine_options": dict(engine_options or {}),
+                "registry": dict(registry or {}), "max_waiting": max_waiting,
+                "to_engine": f"ipc://{self._ipc / 'to_engine'}", "to_front": f"ipc://{self._ipc / 'to_front'}"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "turbo.serve.engine_proc"], stdin=subprocess.PIPE)
+        self.proc.stdin.write(pickle.dumps(spec))
+        self.proc.stdin.flush()  # kept open: the engine process leaves when it closes
+        try:
+            facts = self._wait_ready(start_timeout)
+        except BaseException:
+            self._stop_process()
+            raise
+        self.path, self.session_len = Path(facts["path"]), facts["session_len"]
+        self.backend_name, self.device, self.restored = facts["backend"], facts["device"], facts["restored"]
+        self.tokenizer = load_tokenizer(self.path)
+        self._thread = threading.Thread(target=self._receive, name="liteturbo-engine-receiver", daemon=True)
+        self._thread.start()
+
+    def _wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._from.poll(200):
+                msg = pickle.loads(self._from.recv())
+                if msg[0] == "ready":
+                    return msg[1]
+                raise LiteturboError(msg[1])
+            if self.proc.poll() is not None:
+                raise LiteturboError(f"the engine process exited while loading (exit code {self.proc.returncode});"
+                                     f" see the messages above")
+        raise LiteturboError(f"the engine process did not load within {timeout:.0f} s")
+
+    # --- sending -------------------------------------------------------------------------------------------------
+    def send(self, msg: tuple) -> None:
+        """Send one message to the engine process (any thread)."""
+        if self.dead is not None:
+            return
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self._to.send(data)
+
+    def _call(self, method: str, *args, timeout: float = 120.0):
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        cid = next(self._ids)
+        fut = self._calls[cid] = concurrent.futures.Future()
+        self.send(("call", cid, method, args))
+        return fut.result(timeout)
+
+    def _open(self, msg: tuple, rid: int, timeout: float = 600.0) -> RemoteHandle:
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        h = self._handles[rid] = RemoteHandle(self, rid)
+        self.send(msg)
+        try:
+            stop_ids = h.ack.result(timeout)
+        except BaseException:
+            self._handles.pop(rid, None)
+            raise
+        h.request.stop_ids = set(stop_ids)
+        return h
+
+    # --- the client's methods (as InprocClient's) -----------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """Whether the engine process lives and serves (``/health``)."""
+        return self.dead is None and self.proc.poll() is None
+
+    def chat_template_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template (raises ``LiteturboError``)."""
+        return chat_template_ids(self.tokenizer, messages, self.path)
+
+    def submit(self, prompt: str | list[int], gen: GenerationConfig, priority: int = 0) -> RemoteHandle:
+        """Queue a prompt (text, tokenized here, or ids); raises what :meth:`turbo.loop.EngineLoop.submit` raises."""
+        if isinstance(prompt, str):
+            try:
+                prompt = encode(self.tokenizer, prompt)
+            except LiteturboError as e:
+                raise InvalidRequest(str(e)) from None
+        rid = next(self._ids)
+        return self._open(("submit", rid, prompt, gen, priority), rid)
+
+    def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False) -> RemoteHandle:
+        """Queue session ``sid``'s next turn (see :meth:`InprocClient.submit_chat`)."""
+        rid = next(self._ids)
+        return self._open(("chat", rid, sid, message, gen, persist), rid)
+
+    def session_create(self, system: str | None = None) -> str:
+        return self._call("session_create", system)
+
+    def check_session(self, sid: str) -> None:
+        self._call("check_session", sid)
+
+    def session_info(self, sid: str) -> dict:
+        return self._call("session_info", sid)
+
+    def session_delete(self, sid: str) -> None:
+        self._call("session_delete", sid)
+
+    def session_ids(self) -> list[str]:
+        return self._call("session_ids")
+
+    def num_sessions(self) -> int:
+        return self._call("num_sessions")
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    # --- the receiver thread ---------------------------------------------------------------------------------------
+    def _receive(self) -> None:
+        zmq = self.zmq
+        while self.dead is None and not self._closing:
+            if self._from.poll(200):
+                while self.dead is None:
+                    try:
+                        msg = pickle.loads(self._from.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    self._dispatch(msg)
+            elif self.proc.poll() is not None:
+                self._die(f"the engine process exited (exit code {self.proc.returncode}); the server is shutting "
+                          f"down")
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "out":
+            for rid, text, ids, lps, end in msg[1]:
+                h = self._handles.get(rid)
+                if h is None:
+                    continue
+                if end is not None:
+                    self._handles.pop(rid, None)
+                    end = self._end(end)
+                h.feed(text, ids, lps, end)
+        elif kind == "ack":
+            _, rid, stop_ids, err = msg
+            h = self._handles.get(rid)
+            if h is not None:
+                h.ack.set_exception(error_from_wire(err)) if err else h.ack.set_result(stop_ids)
+        elif kind == "reply":
+            _, cid, result, err = msg
+            fut = self._calls.pop(cid, None)
+            if fut is not None:
+                fut.set_exception(error_from_wire(err)) if err else fut.set_result(result)
+        elif kind == "dead":
+            self._die(f"the engine died: {msg[1]}; the server is shutting down")
+
+    def _end(self, end):
+        if end[0] == "error":
+            return error_from_wire(end[1])
+        for obs in self.observers:
+            try:
+                obs(end[1])
+            except Exception:  # noqa: BLE001 - metrics must not break serving
+                pass
+        return end[1]
+
+    def _die(self, why: str) -> None:
+        """End everything open with :class:`EngineDead` and tell ``on_dead``."""
+        self.dead = why
+        for rid, h in list(self._handles.items()):
+            self._handles.pop(rid, None)
+            err = EngineDead(self.dead)
+            if not h.ack.done():
+                h.ack.set_exception(err)
+            else:
+                h.feed("", [], [], err)
+        for cid, fut in list(self._calls.items()):
+            self._calls.pop(cid, None)
+            fut.set_exception(EngineDead(self.dead))
+        for fn in self.on_dead:
+            try:
+                fn(self.dead)
+            except Exception:  # noqa: BLE001 - every callback runs
+                pass
+
+    # --- stopping ------------------------------------------------------------------------------------------------
+    def _stop_process(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                with self._send_lock:
+                    self._to.send(pickle.dumps(("shutdown",)))
+                self.proc.stdin.close()
+            except Exception:  # noqa: BLE001 - then it is terminated below
+                pass
+        for stop in (None, self.proc.terminate, self.proc.kill):
+            if stop is not None and self.proc.poll() is None:
+                stop()
+            try:
+                self.proc.wait(timeout if stop is None else 5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._to.close(linger=0)
+        self._from.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._ipc, ignore_errors=True)
+
+    def close(self) -> None:
+        """Stop the engine process (its open requests are cancelled; sessions were saved after every turn when a
+        session dir is set) and wait for it; idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        self._thread.join(5)  # it stops polling within half a second
+        if self.dead is None:
+            self._die("the server stopped")
+        self._stop_process()
