@@ -37,7 +37,21 @@ def _kv_options(fn):
 
 
 def _device_options(fn):
-    """--device, --backend and --enforce-eager, shared by chat, eval-ppl and serve."""
+    """--device, --backend, --enforce-eager, --threads and --tp, shared by chat, eval-ppl and serve."""
+    def _threads(ctx, param, value):  # --threads reaches EngineConfig(threads=None) through $LITETURBO_THREADS
+        from backends.cpu_threads import parse_threads
+
+        if value is not None:
+            try:
+                parse_threads(value)
+            except ValueError as e:
+                raise click.BadParameter(str(e)) from None
+            os.environ["LITETURBO_THREADS"] = value.strip()
+
+    def _tp(ctx, param, value):  # --tp reaches EngineConfig(tensor_parallel_size=None) through $LITETURBO_TP
+        if value is not None:
+            os.environ["LITETURBO_TP"] = str(value)
+
     opts = [
         click.option("--device", default="auto", show_default=True,
                      help="auto (a GPU, then an NPU, then the CPU), cpu, cuda[:N] or npu[:N]."),
@@ -46,6 +60,14 @@ def _device_options(fn):
                           "`liteturbo env` lists what runs here."),
         click.option("--enforce-eager", is_flag=True,
                      help="Never replay decode steps as CUDA graphs (they are by default on CUDA)."),
+        click.option("--threads", default=None, metavar="auto|N|-K", expose_value=False, callback=_threads,
+                     help="CPU threads: auto (the cores this process may use; fewer while other processes keep "
+                          "cores busy, back when they stop), N (fixed) or -K (all usable cores but K). Sets "
+                          "$LITETURBO_THREADS for the engines the command builds."),
+        click.option("--tp", "--tensor-parallel-size", default=None, type=click.IntRange(min=1), expose_value=False,
+                     callback=_tp, help="Split the model over N devices (tensor parallelism; one process each: "
+                                        "cuda:0..N-1 from --device's index; on a CPU all share it). Default 1. Sets "
+                                        "$LITETURBO_TP for the engines the command builds."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -233,10 +255,13 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
               help="Sessions keeping their KV cache resident; past it the least recently used give it up.")
 @click.option("--session-idle-timeout", default=3600.0, show_default=True, type=float,
               help="Seconds a session may stay unused before it is forgotten.")
+@click.option("--engine-process/--no-engine-process", default=True, show_default=True,
+              help="Run the engine core in a process of its own (the HTTP front never waits for a step), or in "
+                   "the server's process.")
 @_device_options
 @_kv_options
 @friendly_errors
-def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_num_batched_tokens, block_size,
+def serve(model, host, port, model_name, api_keys, engine_process, dtype, max_batch_size, max_num_batched_tokens, block_size,
           session_len,
           max_kv_tokens, kv_cache_gib,
           cache_max_entry_count, max_request_bytes, log_level, session_dir, max_sessions, session_idle_timeout,
@@ -253,13 +278,26 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_nu
                              f"{session_idle_timeout}")
     run(model, host=host, port=port, model_name=model_name, api_keys=api_keys or "",
         max_request_bytes=max_request_bytes, log_level=log_level, session_dir=session_dir, max_sessions=max_sessions,
-        session_idle_timeout=session_idle_timeout, dtype=dtype, device=device, backend=backend,
+        session_idle_timeout=session_idle_timeout, engine_process=engine_process, dtype=dtype, device=device, backend=backend,
         enforce_eager=enforce_eager,
         max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
         session_len=session_len,
         max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,
         cache_max_entry_count=cache_max_entry_count, kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
         kv_calibration=not no_kv_calibration)
+
+
+@main.command()
+@click.option("--replica", "replicas", multiple=True, required=True, help="http://HOST:PORT of a replica; repeat.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=23333, show_default=True, type=int)
+@click.option("--api-keys", default=None, envvar="LITETURBO_API_KEYS", help="Bearer tokens for /v1, comma-separated.")
+@friendly_errors
+def route(replicas, host, port, api_keys) -> None:
+    """Route clients to `liteturbo serve` replicas sharing one --session-dir: a session to the one holding its KV, the
+    rest to the least loaded; a dead replica's sessions move to the others (docs/serving.md, Replicas and routing)."""
+    from turbo.serve.router import route as run
+    run(replicas, host=host, port=port, api_keys=api_keys or "")
 
 
 @main.command()
@@ -283,6 +321,9 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_nu
 @click.option("--block-size", default=64, show_default=True, type=int)
 @click.option("--max-kv-tokens", default=None, type=int,
               help="KV pool in tokens (CPUs; default 16384). GPUs/NPUs take 90% of what is left.")
+@click.option("--tp", "--tensor-parallel-size", "tp", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Plan for the model split over N devices (tensor parallelism): every figure is per device, "
+                   "--gpu-mem is one device's memory (on a CPU the N ranks share the budget).")
 @click.option("--quant-method", default="awq", show_default=True, type=click.Choice(["awq", "gptq", "rtn"]),
               help="Method whose peak memory the quantization line reports.")
 @click.option("--calib-samples", default=128, show_default=True, type=int)
@@ -290,7 +331,7 @@ def serve(model, host, port, model_name, api_keys, dtype, max_batch_size, max_nu
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object (with a boolean `fits`).")
 @friendly_errors
 def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_dtype, session_len, max_batch_size,
-         max_num_batched_tokens, block_size, max_kv_tokens, quant_method, calib_samples, calib_seqlen,
+         max_num_batched_tokens, block_size, max_kv_tokens, tp, quant_method, calib_samples, calib_seqlen,
          as_json) -> None:
     """Will MODEL fit, with how much context and how many sessions? MODEL: a checkpoint folder (16-bit or
     quantized), a folder with only config.json, or a config.json file; nothing is loaded. Prints weights by part,
@@ -304,7 +345,7 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
         model, gpu_mem=gpu_mem, device=device, backend=backend, dtype=dtype,
         w_bits=None if w_bits is None else int(w_bits), w_group_size=w_group_size, kv_cache_dtype=kv_cache_dtype,
         session_len=session_len, max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
-        block_size=block_size, max_kv_tokens=max_kv_tokens)
+        block_size=block_size, max_kv_tokens=max_kv_tokens, tp=tp)
     if quantize_first:  # the lite side: can this device run the layer-by-layer pipeline for it?
         import torch
 

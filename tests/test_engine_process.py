@@ -1,0 +1,193 @@
+"""The server with its engine core in a process of its own (turbo/serve/engine_proc.py, mp_client.py): replies,
+streams, logprobs, sessions and errors equal the in-process engine's; a client that goes away frees its KV; an
+engine process that dies ends open requests with 503, turns /health to 503 and makes `liteturbo serve` exit; a
+front that dies takes its engine process with it; a model that fails to load says why."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from lite.formats import LiteturboError
+from turbo import Engine, EngineConfig, GenerationConfig
+from turbo.serve.app import create_app
+from turbo.serve.mp_client import MPClient
+
+from conftest import serve_in_thread
+
+OPTS = dict(dtype="float32", max_kv_tokens=1024, block_size=4, max_batch_size=8)
+MSGS = [{"role": "user", "content": "the first of the new year"}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama with a word tokenizer and a chat template."""
+    from tiny_models import build_tiny_llama, save_word_tokenizer
+
+    path = build_tiny_llama(tmp_path_factory.mktemp("engine_proc") / "tiny", initializer_range=0.2)
+    save_word_tokenizer(path, 128, bos=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    """(httpx client, MPClient) of an app over an engine process; both stopped at the end."""
+    client = MPClient(tiny, OPTS)
+    app = create_app(client, model_name="tiny")
+    url, stop = serve_in_thread(app)
+    with httpx.Client(base_url=url, timeout=60) as http:
+        yield http, client
+    stop()
+    client.close()
+    assert client.proc.poll() is not None  # the engine process is gone
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return Engine(tiny, EngineConfig(**OPTS))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(x[6:]) for x in text.splitlines() if x.startswith("data: {")]
+
+
+def test_replies_logprobs_and_streams_equal_the_engines(served, reference):
+    http, _ = served
+    gen = GenerationConfig(max_new_tokens=8, ignore_eos=True, logprobs=3)
+    want = reference.generate(reference.chat_template_ids(MSGS), gen)
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 8, "temperature": 0,
+                                                "ignore_eos": True, "logprobs": True, "top_logprobs": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == want.text
+    assert body["usage"]["completion_tokens"] == 8
+    got_lp = [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
+    want_lp = [dict(top)[t] for t, top in zip(want.token_ids, want.logprobs)]
+    assert got_lp == pytest.approx(want_lp, abs=1e-4)
+    want = reference.generate("the new year", GenerationConfig(max_new_tokens=6, ignore_eos=True))
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "the new year", "max_tokens": 6,
+                                           "temperature": 0, "ignore_eos": True, "stream": True})
+    ev = _events(r.text)
+    assert "".join(e["choices"][0]["text"] for e in ev if e.get("choices")) == want.text
+    assert r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_sessions_and_errors_as_in_one_process(served, reference):
+    http, client = served
+    sid = http.post("/v1/sessions", json={"system": "a"}).json()["id"]
+    ref = reference.session("a")
+    for msg in ("the first", "of the year"):
+        r = http.post(f"/v1/sessions/{sid}/chat", json={"content": msg, "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["content"] == ref.chat(msg, gen=GenerationConfig(max_new_tokens=5))
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the session kept its KV
+    info = http.get(f"/v1/sessions/{sid}").json()
+    assert [m["content"] for m in info["messages"]] == [m["content"] for m in ref.messages]
+    assert info["kv_resident_tokens"] > 0 and not info["busy"]
+    assert http.delete(f"/v1/sessions/{sid}").json()["deleted"] is True
+    r = http.post(f"/v1/sessions/{sid}/chat", json={"content": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "the " * 2000, "max_tokens": 4})
+    assert r.status_code == 400 and "token" in r.json()["error"]["message"]
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 4,
+                                                "temperature": 0.5, "top_p": 7})
+    assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
+    assert client.stats()["blocks_free"] == client.stats()["blocks_total"]
+
+
+def test_a_client_that_goes_away_frees_its_blocks(served):
+    http, client = served
+    body = {"model": "tiny", "prompt": "the year", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # the first piece arrived: go away
+    deadline = time.time() + 20
+    while client.stats()["blocks_free"] != client.stats()["blocks_total"]:
+        assert time.time() < deadline, client.stats()
+        time.sleep(0.1)
+    metrics = http.get("/metrics").text
+    assert "liteturbo_kv_blocks_used 0.0" in metrics
+
+
+def test_a_model_that_fails_to_load_says_why(tmp_path):
+    with pytest.raises(LiteturboError, match="config.json|not a model|no model"):
+        MPClient(tmp_path / "nothing-here", OPTS, start_timeout=120)
+
+
+def _start_server(tiny, *extra) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "turbo.cli", "serve", str(tiny), "--port", str(port),
+                             "--log-level", "warning", "--dtype", "float32", "--max-kv-tokens", "1024",
+                             "--block-size", "4", *extra], stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"the server did not start: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.3)
+
+
+def _engine_pid(proc: subprocess.Popen) -> int:
+    kids = [p for p in psutil.Process(proc.pid).children() if "turbo.serve.engine_proc" in " ".join(p.cmdline())]
+    assert len(kids) == 1
+    return kids[0].pid
+
+
+def test_engine_process_killed_mid_generation_gives_503_and_the_server_exits(tiny):
+    proc, url = _start_server(tiny)
+    try:
+        body = {"model": "tiny", "prompt": "the year", "max_tokens": 100000, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, max_tokens=900), timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            os.kill(_engine_pid(proc), signal.SIGKILL)
+            t_kill = time.time()
+            events = [line for line in lines if line.startswith("data: ")]
+        errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {") and "error" in e]
+        assert errors and "engine process exited" in errors[0]["message"], events[-3:]
+        assert events[-1] == "data: [DONE]"
+        try:
+            h = httpx.get(f"{url}/health", timeout=5)
+            assert h.status_code == 503 and "engine process exited" in h.json()["error"]["message"]
+        except httpx.HTTPError:
+            pass  # already gone
+        proc.wait(30)
+        assert time.time() - t_kill < 30
+        assert proc.returncode != 0
+        assert "engine process exited" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_front_that_dies_takes_its_engine_process_with_it(tiny):
+    proc, url = _start_server(tiny)
+    engine = psutil.Process(_engine_pid(proc))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    engine.wait(30)  # psutil.TimeoutExpired if it stayed
