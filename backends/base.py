@@ -140,6 +140,24 @@ class Backend(ABC):
         q ``[T, H, D]``, k ``[T, KVH, D]``, cos/sin ``[T, 1, D]`` in q's dtype (gathered once per step).
         """
 
+    # --- tensor parallelism -----------------------------------------------------------------------
+    # the torch.distributed process group the ranks of a tensor-parallel engine share (set by turbo.core.tp when
+    # the group is up); the two ops below are called only when the model is split (never at one rank)
+    tp_group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks of :attr:`tp_group` in place and return it (after a row-parallel linear and the
+        vocabulary-parallel embedding). Raises ``RuntimeError`` when a rank is gone or the group timed out."""
+        torch.distributed.all_reduce(x, group=self.tp_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[world, *x.shape]``: every rank's ``x`` (the same shape on each) stacked in rank order (the
+        vocabulary-parallel logits). Raises ``RuntimeError`` when a rank is gone or the group timed out."""
+        parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size(self.tp_group))]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.stack(parts)
+
     # --- paged KV cache -----------------------------------------------------------------------
     def allocate_kv_cache(self, spec: KVCacheSpec, compute_dtype: torch.dtype,
                           params: KVQuantParams | None = None) -> PagedKVCache:

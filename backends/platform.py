@@ -86,6 +86,19 @@ class Platform:
         """CUDA or ROCm."""
         return self.kind in ("cuda", "rocm")
 
+    @property
+    def dist_backend(self) -> str:
+        """The ``torch.distributed`` backend tensor parallelism uses here: ``nccl`` on CUDA (RCCL on ROCm, under the
+        same name), ``hccl`` on Ascend NPUs (registered by ``torch_npu``), ``gloo`` on CPUs."""
+        return {"cuda": "nccl", "rocm": "nccl", "npu": "hccl"}.get(self.kind, "gloo")
+
+    def rank_device(self, rank: int) -> str:
+        """The device of tensor-parallel rank ``rank`` when rank 0 runs here: the ``rank``-th accelerator counting
+        from this one's index (``cuda:1`` → ``cuda:1, cuda:2, ...``), the CPU for every rank on a CPU."""
+        if self.kind == "cpu":
+            return "cpu"
+        return f"{self.device.type}:{(self.device.index or 0) + rank}"
+
     def free_memory(self) -> int:
         """Bytes free on the device now: free device memory (``mem_get_info``), or available RAM on CPU."""
         if self.is_gpu:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backends.cpu_threads import parse_threads
 from backends.platform import Platform, current_platform
 from lite.formats import LiteturboError
 
@@ -67,6 +68,16 @@ class EngineConfig:
     parameters a checkpoint carries (``liteturbo lite calibrate-kv``) when the cache is int8/int4; ``False``
     keeps the online mode. enforce_eager: never replay decode steps as CUDA graphs (on CUDA with a backend whose
     decode path is graph-safe they are by default, see :mod:`turbo.core.cuda_graphs`).
+    threads: torch's CPU threads (process-wide), see :mod:`backends.cpu_threads`: ``None``/``"auto"`` (default;
+    ``$LITETURBO_THREADS`` when set) = torch's count capped to the cores this process may use (affinity, cgroup
+    quota), lowered during decode on a CPU device while another process takes cores and raised back after;
+    ``N > 0`` = exactly N, fixed; ``-K`` = the usable cores less K (at least 1), adaptive.
+    tensor_parallel_size: ranks the model is split over (:mod:`turbo.core.tp`): this process is rank 0 and
+    spawns the others (``torch.multiprocessing``, spawn: a script that builds such an engine needs the
+    ``if __name__ == "__main__":`` guard), one device each (``cuda:i``/``npu:i`` counting from ``device``'s index;
+    on a CPU all share it); heads, MLP features and the vocabulary are split, so each rank holds about 1/N of the
+    weights and KV (default 1; the command line's ``--tp``). A split that breaks
+    a head or a quantization group is refused at start-up, naming the sizes that work.
     """
 
     backend: str = "auto"
@@ -87,6 +98,8 @@ class EngineConfig:
     quant_policy: int | None = None
     kv_calibration: bool = True
     enforce_eager: bool = False
+    threads: int | str | None = None  # CPU threads: None/"auto", N, or -K (see backends.cpu_threads)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.device, torch.device):
@@ -94,7 +107,7 @@ class EngineConfig:
         for name in ("backend", "device", "dtype", "lm_head"):
             _coerce(self, name, "str")
         self.backend = self.backend.strip().lower()
-        for name in ("block_size", "max_num_batched_tokens", "max_batch_size"):
+        for name in ("block_size", "max_num_batched_tokens", "max_batch_size", "tensor_parallel_size"):
             _coerce(self, name, "int")
         for name in ("num_blocks", "session_len", "quant_policy", "max_kv_tokens"):
             _coerce(self, name, "int", optional=True)
@@ -119,7 +132,7 @@ class EngineConfig:
                 self.kv_cache_dtype = asked
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise LiteturboError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_batch_size"):
+        for name in ("block_size", "max_num_batched_tokens", "max_batch_size", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise LiteturboError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_kv_tokens is not None and self.max_kv_tokens <= 0:
@@ -138,6 +151,10 @@ class EngineConfig:
         if self.lm_head not in ("auto", "int8", "16bit"):
             raise LiteturboError(f"lm_head must be auto, int8 or 16bit, got {self.lm_head!r}")
         self.platform()  # an unknown device, or one this machine lacks, fails here
+        try:
+            self.threads = parse_threads(self.threads)
+        except ValueError as e:
+            raise LiteturboError(f"threads: {e}") from None
         if self.session_len is not None and self.session_len <= 1:
             raise LiteturboError(f"session_len must be > 1, got {self.session_len}")
 

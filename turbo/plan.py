@@ -4,7 +4,8 @@
 :func:`plan` builds the :class:`Plan` report (weights, workspace, reserve, KV pool, context and sessions, what to
 change when it does not fit) from the accounting of :mod:`turbo.core.planner`, the same the engine applies at
 start-up; :func:`plan_checkpoint` is the CLI's front (reads a folder, a config.json or a model name, resolves the
-device, budget and options as the engine would).
+device, budget and options as the engine would). With tensor parallelism (``tp`` devices) every figure is one
+device's (rank 0's, the largest), as the engine checks each rank.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .core.model import ModelConfig
 
 from .core.planner import (ACCELERATOR_RESERVE, GiB, POOL_FRACTION, WeightChoice, gib, kv_spec, parse_memory,
                            size_pool, weight_breakdown, weight_choice, workspace_breakdown)
+from .core.tp.shard import check_split, working_sizes
 
 @dataclass
 class Plan:
@@ -57,6 +59,7 @@ class Plan:
     quantization: dict | None = None
     notes: list[str] = field(default_factory=list)
     raw_config: dict = field(default_factory=dict, repr=False)
+    tensor_parallel_size: int = 1
 
     @property
     def weights_total(self) -> int:
@@ -102,7 +105,9 @@ class Plan:
         rows.append(("fits", "yes" if self.fits else "NO", self.reason))
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
-        head = f"{self.model} on {self.device} ({self.backend} backend, {self.dtype} compute)"
+        where = self.device if self.tensor_parallel_size == 1 else (
+            f"{self.tensor_parallel_size} x {self.device} (tensor parallel; figures per device)")
+        head = f"{self.model} on {where} ({self.backend} backend, {self.dtype} compute)"
         lines = [head, "-" * len(head)] + [f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
         lines += [f"note: {n}" for n in self.notes]
         if self.suggestions:
@@ -123,12 +128,16 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
          backend: str = "auto", dtype: torch.dtype = torch.bfloat16, weights: WeightChoice | None = None,
          kv_cache_dtype: str = "auto", session_len: int | None = None, max_batch_size: int = 64,
          max_num_batched_tokens: int = 1024, block_size: int = 64, in_use: int = 0,
-         cache_max_entry_count: float | None = None, max_kv_tokens: int | None = None, suggest: bool = True) -> Plan:
+         cache_max_entry_count: float | None = None, max_kv_tokens: int | None = None, suggest: bool = True,
+         tp: int = 1) -> Plan:
     """Plan serving ``cfg`` (a :class:`turbo.core.model.ModelConfig`) on a ``device_kind`` (``cpu``, ``cuda``, ``rocm``,
     ``npu``) with ``budget`` bytes of memory, ``in_use`` of them already taken by others. Everything else as the
-    engine's options (:class:`turbo.config.EngineConfig`). When it does not fit, ``suggestions`` lists option changes
-    that do, each checked by planning again. Raises ``LiteturboError`` for impossible options."""
+    engine's options (:class:`turbo.config.EngineConfig`); ``tp``: split over that many devices of ``budget`` each
+    (on a CPU the ranks share ``budget``), every figure per device. When it does not fit, ``suggestions`` lists
+    option changes that do, each checked by planning again. Raises ``LiteturboError`` for impossible options (a
+    ``tp`` that breaks a head or a quantization group, naming the sizes that work)."""
     w = weights or WeightChoice()
+    check_split(cfg, tp, w.bits, w.group_size)
     accel = device_kind != "cpu"
     name = backend
     if name == "auto":
@@ -144,20 +153,25 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
     dev_type = "cuda" if device_kind in ("cuda", "rocm") else device_kind
     dname = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     kv_dtype = dname if kv_cache_dtype == "auto" else kv_cache_dtype
-    spec = kv_spec(cfg, kv_dtype, block_size)
+    spec = kv_spec(cfg, kv_dtype, block_size, tp=tp)
     bpt, bpb = spec.bytes_per_token(), spec.bytes_per_block()
     max_pos = cfg.max_position_embeddings
     want_len = min(session_len or max_pos, max_pos)
     notes = []
     if session_len and session_len > max_pos:
         notes.append(f"--session-len {session_len} is capped to the model's max_position_embeddings ({max_pos})")
-    wb = weight_breakdown(cfg, cls, dev_type, dtype, w)
+    wb = weight_breakdown(cfg, cls, dev_type, dtype, w, tp)
     reserve = ACCELERATOR_RESERVE if accel else 0
-    free = budget - reserve - in_use - sum(wb.values())
+    share = budget if accel else budget // tp  # accelerator ranks have a device each, CPU ranks share the memory
+    free = share - reserve - (in_use if accel else in_use // tp) - sum(wb.values())
+    if tp > 1:
+        ranks = "devices, each with the budget" if accel else "CPU processes sharing the budget"
+        notes.append(f"tensor parallel over {tp} {ranks}: weights, workspace and KV are one rank's; each holds "
+                     f"{max(cfg.num_kv_heads // tp, 1)} of the {cfg.num_kv_heads} KV heads")
 
     def workspace(ctx):
         return workspace_breakdown(cfg, cls, dtype, kv_dtype, w.bits < 16, w.lm_head_int8, max_num_batched_tokens,
-                                   max_batch_size, want_len, context_tokens=ctx)
+                                   max_batch_size, want_len, context_tokens=ctx, tp=tp)
 
     pool, ws = size_pool(free, workspace, bpb, block_size, cache_max_entry_count=cache_max_entry_count,
                          max_kv_tokens=max_kv_tokens, accelerator=accel,
@@ -170,7 +184,7 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
         fits = False
         reason = (f"weights {gib(sum(wb.values()))} + workspace {gib(ws_total)}"
                   + (f" + reserve {gib(reserve)}" if reserve else "") + (f" + {gib(in_use)} in use" if in_use else "")
-                  + f" exceed {gib(budget)} by {gib(-(free - ws_total))}")
+                  + f" exceed {gib(share)} by {gib(-(free - ws_total))}")
     elif pool.blocks == 0:
         fits = False
         reason = (f"{pool.what} asks for {gib(pool.asked)} of KV but {gib(pool.available)} is left: "
@@ -188,18 +202,20 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
         opts["cache_max_entry_count"] = cache_max_entry_count or POOL_FRACTION
     else:
         opts["max_kv_tokens"] = tokens
+    if tp > 1:
+        opts["tensor_parallel_size"] = tp
     p = Plan(model=model, device=device_kind, backend=name, dtype=dname, budget=budget, budget_source=budget_source,
              reserve=reserve, weights=wb, workspace=ws, weight_bits=w.bits, group_size=w.group_size,
              kv_cache_dtype=kv_dtype, kv_bytes_per_token=bpt, block_size=block_size, pool_blocks=pool.blocks,
              pool_tokens=tokens, pool_bytes=pool.blocks * bpb, session_len=want_len, sessions_at_once=sessions,
              max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, fits=fits,
-             reason=reason, engine_options=opts, notes=notes)
+             reason=reason, engine_options=opts, notes=notes, tensor_parallel_size=tp)
     if not fits and suggest:
         args = dict(model=model, device_kind=device_kind, budget=budget, budget_source=budget_source, backend=backend,
                     dtype=dtype, weights=w, kv_cache_dtype=kv_dtype, session_len=want_len,
                     max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
                     block_size=block_size, in_use=in_use, cache_max_entry_count=cache_max_entry_count,
-                    max_kv_tokens=max_kv_tokens, suggest=False)
+                    max_kv_tokens=max_kv_tokens, suggest=False, tp=tp)
         p.suggestions = _suggest(cfg, raw_config, args, accel, block_size)
     return p
 
@@ -219,6 +235,10 @@ def _suggest(cfg, raw_config: dict, args: dict, accel: bool, block_size: int) ->
         out.append("4-bit weights (liteturbo lite auto-awq)")
     if args["dtype"] == torch.float32 and fits(dtype=torch.bfloat16):
         out.append("--dtype bfloat16")
+    if accel:  # more devices of the same memory
+        more = [n for n in working_sizes(cfg, w.bits, w.group_size) if n > args["tp"] and n <= 8]
+        if (n := next((n for n in more if fits(tp=n)), None)) is not None:
+            out.append(f"--tp {n} ({n} devices)")
     for t in (512, 256):
         if t < args["max_num_batched_tokens"] and fits(max_num_batched_tokens=t):
             out.append(f"--max-num-batched-tokens {t}")
@@ -286,7 +306,7 @@ def plan_checkpoint(model: str, *, gpu_mem: str | None = None, device: str | Non
                     dtype: str = "auto", w_bits: int | None = None, w_group_size: int | None = None,
                     kv_cache_dtype: str = "auto", session_len: int | None = None, max_batch_size: int = 64,
                     max_num_batched_tokens: int = 1024, block_size: int = 64,
-                    max_kv_tokens: int | None = None) -> tuple[Plan, bool]:
+                    max_kv_tokens: int | None = None, tp: int = 1) -> tuple[Plan, bool]:
     """:func:`plan` for ``liteturbo plan``: reads ``model`` (see :func:`_read_config`), resolves the device and
     budget (``gpu_mem``, else the memory free on ``device`` now) and the options as the engine would. Returns the
     plan (with ``raw_config`` attached) and whether the model must be quantized first (a 16-bit checkpoint planned
@@ -351,7 +371,7 @@ def plan_checkpoint(model: str, *, gpu_mem: str | None = None, device: str | Non
     p = plan(cfg, raw, model=name, device_kind=kind, budget=budget, budget_source=source, backend=backend,
              dtype=tdtype, weights=wc, kv_cache_dtype=kv, session_len=session_len, max_batch_size=max_batch_size,
              max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, in_use=in_use,
-             max_kv_tokens=max_kv_tokens)
+             max_kv_tokens=max_kv_tokens, tp=tp)
     p.raw_config = raw
     if wc.bits == 8:
         p.notes.append("liteturbo loads 4-bit checkpoints only today: W8A16 is planned for comparison")

@@ -131,7 +131,9 @@ class Session:
         ``include_kv`` stores the cached K/V of the computed tokens in the cache's own form (``kv.safetensors``,
         per layer ``[tokens, kv_heads, ...]``: 16-bit values, or int8/int4 codes with their scales) so a restore
         needs no recompute; it is only reused by the same model weights, compute dtype and KV storage
-        (an engine with another KV dtype recomputes the history, with a warning). Raises ``LiteturboError`` while a reply streams.
+        (an engine with another KV dtype recomputes the history, with a warning). A tensor-parallel engine saves
+        each rank's shard and its ``tensor_parallel_size``; an engine of another size recomputes, with a warning.
+        Raises ``LiteturboError`` while a reply streams.
         """
 
         self._check_idle()
@@ -144,7 +146,7 @@ class Session:
             n = self.seq.num_computed if include_kv else 0
             meta = {"format": "liteturbo-session/1", "system": self.system, "messages": self.messages,
                     "token_ids": self.seq.token_ids, "kv_tokens": n, "model_fingerprint": self.engine.fingerprint(),
-                    "kv_storage": self.engine.kv_storage}
+                    "kv_storage": self.engine.kv_storage, "tensor_parallel_size": self.engine.tensor_parallel_size}
             if n:
                 # the stored form ([tokens, KVH, ...] per layer: 16-bit values, or int8/int4 codes and scales)
                 save_file(self.engine.export_kv(self.seq), str(tmp / "kv.safetensors"))
@@ -225,6 +227,10 @@ def load_session(engine: EngineCore, path: str | Path) -> Session:
     saved_as = meta.get("kv_storage", str(engine.dtype).removeprefix("torch."))
     if saved_as != engine.kv_storage:
         return drop(f"it was saved as {saved_as!r} but this engine's cache is {engine.kv_storage!r}")
+    saved_tp = meta.get("tensor_parallel_size", 1)  # the KV is saved per rank shard
+    if saved_tp != engine.tensor_parallel_size:
+        return drop(f"it was saved by an engine split over tensor_parallel_size={saved_tp!r} ranks, each rank's KV "
+                    f"heads apart, but this engine runs {engine.tensor_parallel_size}")
     digest = meta.get("kv_sha256")
     if digest is not None and digest != _sha256(kv_file):
         return drop("kv.safetensors does not match the checksum in session.json: it was changed or damaged")

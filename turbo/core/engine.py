@@ -9,8 +9,9 @@ tokens are all computed gets a token from one batched draw (:mod:`turbo.core.sam
 :class:`EngineCore` also offers what sessions and the background loop build on, so that they never reach into the
 scheduler, block manager or runner: ``lock``, :meth:`~EngineCore.new_sequence`, :meth:`~EngineCore.drive`,
 :meth:`~EngineCore.check_prompt`, :meth:`~EngineCore.drop_sequence`, :meth:`~EngineCore.evict_idle`,
-:meth:`~EngineCore.export_kv`, :meth:`~EngineCore.import_kv`, :attr:`~EngineCore.num_waiting`. It imports nothing
-of ``turbo`` above this package but the configs and typed errors.
+:meth:`~EngineCore.export_kv`, :meth:`~EngineCore.import_kv`, :attr:`~EngineCore.num_waiting`,
+:attr:`~EngineCore.dead` and :meth:`~EngineCore.close` (a tensor-parallel engine's workers, :mod:`turbo.core.tp`). It
+imports nothing of ``turbo`` above this package but the configs and typed errors.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from lite.formats import LiteturboError
 from lite.formats.checkpoint import weight_files
 
 from ..config import EngineConfig, GenerationConfig
+from ..errors import EngineDead
 from . import inputs
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .request import GenerationOutput, Request, step_input
@@ -48,6 +50,7 @@ class EngineCore:
         self.kv_cache_dtype, self.kv_params, self.workspace_bytes = p.kv_cache_dtype, p.kv_params, p.workspace_bytes
         self.block_manager, self.scheduler = p.block_manager, p.scheduler
         self.session_len, self.eos_token_ids = p.session_len, p.eos_token_ids
+        self.thread_control = p.thread_control  # CPU threads under contention (backends/cpu_threads.py)
         self.requests: dict[int, Request] = {}
         # one step at a time: threads may share an engine (each drives steps for everyone until its own
         # request is done); the lock guards the scheduler, the block manager and the caches
@@ -135,6 +138,8 @@ class EngineCore:
         finished with ``finish_reason="error"`` (their blocks freed) and the exception propagates, so no
         request is left half-run."""
         with self.lock:
+            if self.dead is not None:  # a tensor-parallel rank is gone: every request ends with the error
+                self._fail_all(EngineDead(self.dead + "; the engine cannot continue: restart it"))
             t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             if not sched.seqs:
@@ -142,12 +147,14 @@ class EngineCore:
                 return []
             try:
                 self._note_cache_hits(sched)
+                self.thread_control.begin_step(len(sched.seqs), sched.total_tokens)
                 logits = self.runner.run(step_input(sched.seqs, sched.num_new_tokens, self.block_manager))
                 ready = self.scheduler.update_from_output(sched)
                 touched = self._emit_tokens(logits, [(row, self.requests[sched.seqs[row].seq_id]) for row in ready])
             except BaseException as e:
                 self._fail(sched, e)
                 raise
+            self.thread_control.end_step()
             self.counters["steps"] += 1
             self.counters["busy_seconds"] += time.perf_counter() - t0
             return touched
@@ -164,6 +171,14 @@ class EngineCore:
                                        f"{self.block_manager.block_size} tokens) cannot hold this request "
                                        f"({seq.num_tokens} tokens); raise max_kv_tokens or kv_cache_gib")
             self._finish(req, "error")
+
+    def _fail_all(self, error: EngineDead) -> None:
+        """End every request with ``error`` (the engine is dead) and raise it."""
+        for req in list(self.requests.values()):
+            if not req.finished:
+                req.error = error
+                self._finish(req, "error")
+        raise error
 
     def _fail(self, sched: ScheduledStep, error: BaseException) -> None:
         for seq in sched.seqs:
@@ -277,39 +292,58 @@ class EngineCore:
 
     def export_kv(self, seq: Sequence) -> dict[str, torch.Tensor]:
         """The cached K/V of ``seq``'s computed tokens in the cache's stored form (per layer ``[tokens, kv_heads,
-        ...]``: 16-bit values, or int8/int4 codes with their scales), for :meth:`import_kv`."""
+        ...]``: 16-bit values, or int8/int4 codes with their scales), for :meth:`import_kv`. With tensor parallelism,
+        each rank's shard (its KV heads) under ``"rank{r}/..."`` (reused only at the same
+        :attr:`tensor_parallel_size`). Raises :class:`~turbo.errors.EngineDead` when a rank is gone."""
         with self.lock:
-            n = seq.num_computed
-            slots = torch.tensor(self.block_manager.slots(seq.block_table, 0, n), dtype=torch.long)
-            return self.runner.kv_cache.export(slots)
+            return self.runner.export_kv(self.block_manager.slots(seq.block_table, 0, seq.num_computed))
 
     def import_kv(self, seq: Sequence, kv: dict[str, torch.Tensor], n: int) -> str | None:
         """Load the first ``n`` tokens of ``seq`` (exported by :meth:`export_kv`) into fresh blocks and park it as an
         idle session. Returns ``None`` on success, or why it was not loaded (no room, tensors of another shape):
-        then nothing is held and the tokens will be recomputed."""
+        then nothing is held and the tokens will be recomputed. Raises :class:`~turbo.errors.EngineDead` when a
+        tensor-parallel rank is gone."""
         with self.lock:
             try:
                 self.block_manager.ensure_capacity(seq.block_table, n)
             except Exception:
                 self.block_manager.free(seq.block_table)
                 return "the KV pool has no room for it now"
-            slots = torch.tensor(self.block_manager.slots(seq.block_table, 0, n), dtype=torch.long,
-                                 device=self.backend.device)
-            try:
-                self.runner.kv_cache.load(kv, slots)  # validates every tensor before writing any
+            try:  # validates every tensor before writing any
+                self.runner.import_kv(kv, self.block_manager.slots(seq.block_table, 0, n))
             except ValueError as e:
                 self.block_manager.free(seq.block_table)
+                if isinstance(e, EngineDead):
+                    raise
                 return str(e)
             seq.num_computed = n
             self.block_manager.register_full_blocks(seq.token_ids, seq.block_table, n)
             self.scheduler.finish(seq, keep_cache=True)
             return None
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks the model is split over (1: this process alone)."""
+        return self.config.tensor_parallel_size
+
+    @property
+    def dead(self) -> str | None:
+        """Why this engine can no longer run (a tensor-parallel worker died, naming its rank and exit code; a step
+        failed part-way on the ranks; it was closed), else ``None``. Steps of a dead engine raise
+        :class:`~turbo.errors.EngineDead`. Always ``None`` at ``tensor_parallel_size`` 1."""
+        return self.runner.dead
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism; they also exit with this process). Nothing to do
+        at ``tensor_parallel_size`` 1."""
+        self.runner.close()
+
     # --- info ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters: running/waiting requests, tokens prefilled/decoded, prefix-cache hits, blocks, tokens/s, and the
         KV pool: ``kv_cache_dtype``, ``kv_calibrated``, ``kv_bytes_per_token`` (all layers, K and V, scales
-        included), ``kv_pool_tokens`` (tokens the pool holds), ``kv_cache_bytes``."""
+        included), ``kv_pool_tokens`` (tokens the pool holds), ``kv_cache_bytes``; ``tensor_parallel_size`` (the
+        KV figures are then rank 0's, each rank holding its KV heads)."""
         c = dict(self.counters)
         c["generation_tokens_per_s"] = c["generated_tokens"] / c["busy_seconds"] if c["busy_seconds"] else 0.0
         bm, sch = self.block_manager, self.scheduler
@@ -318,7 +352,7 @@ class EngineCore:
                     block_size=bm.block_size, kv_cache_bytes=self.runner.kv_bytes,
                     kv_cache_dtype=self.kv_cache_dtype, kv_calibrated=self.runner.kv_cache.calibrated,
                     kv_bytes_per_token=self.runner.kv_cache.spec.bytes_per_token(),
-                    kv_pool_tokens=bm.num_blocks * bm.block_size)
+                    kv_pool_tokens=bm.num_blocks * bm.block_size, tensor_parallel_size=self.tensor_parallel_size)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of raw ``text`` (see :func:`turbo.core.inputs.encode`: the tokenizer's own special tokens by

@@ -193,10 +193,18 @@ class LlamaModel:
     ``forward(input_ids [T], positions [T], kv_cache, meta, logits_rows)`` → float32 logits
     ``[len(logits_rows), vocab]``. ``kv_cache`` is the backend's :class:`~backends.kv_cache.PagedKVCache`: each
     layer writes its post-rotary keys and its values there and attention reads them back from it.
+
+    ``shard`` (a :class:`turbo.core.tp.shard.Shard`): this model holds one tensor-parallel rank's part of the
+    weights (:attr:`num_heads` / :attr:`num_kv_heads` of its own; ``cfg`` stays the whole model's) and its forward
+    runs the collectives of the split (the other ranks run the same step at the same time).
     """
 
-    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, quant_method: str | None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, quant_method: str | None,
+                 shard=None) -> None:
         self.cfg, self.backend, self.dtype, self.quant_method = cfg, backend, dtype, quant_method
+        self.shard = shard
+        self.num_heads = cfg.num_heads if shard is None else shard.num_heads
+        self.num_kv_heads = cfg.num_kv_heads if shard is None else shard.num_kv_heads
         self.layers: list[Layer] = []
         inv = rope_inv_freq(cfg)
         max_pos = max(cfg.max_position_embeddings, 1)
@@ -209,7 +217,7 @@ class LlamaModel:
     # ------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: Path, backend: Backend, dtype: torch.dtype,
-                        lm_head_int8: bool = False) -> "LlamaModel":
+                        lm_head_int8: bool = False, shard=None) -> "LlamaModel":
         """Load a 16/32-bit or W4A16 (AWQ, GPTQ, compressed-tensors) checkpoint folder, streaming it layer by layer.
 
         Tensors are read one at a time (:class:`~lite.formats.checkpoint.LazyStateDict`); each decoder layer's
@@ -221,18 +229,20 @@ class LlamaModel:
         ``lm_head_int8`` runs the output projection as weight-only int8 (per output channel), as llama.cpp
         does with Q8_0 output weights; the input embedding table stays in ``dtype``. When the head is tied to that
         table, steps of ``backend.dense_lm_head_min_rows`` rows or more multiply by the table itself (faster there).
+        ``shard``: keep only this tensor-parallel rank's part of every weight (:class:`turbo.core.tp.shard.Shard`;
+        each projection is split before q/k/v and gate/up are fused).
         Raises ``LiteturboError`` on bad input (missing or misshaped tensors, layers beyond
         ``num_hidden_layers``, partly quantized fused linears, unreadable files).
         """
         # looked up at call time so that tests and bench/load_memory.py can swap the reader
-        from lite.formats import LazyStateDict, quantized_prefixes
+        from lite.formats import LazyStateDict
         from lite.formats.checkpoint import config_mismatch
 
         raw = load_config(path)
         cfg = ModelConfig.from_dict(raw)
         qspec = quantization_spec(raw)
         sd = LazyStateDict(path)
-        model = cls(cfg, backend, dtype, qspec.method if qspec else None)
+        model = cls(cfg, backend, dtype, qspec.method if qspec else None, shard)
         dev = backend.device
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
@@ -253,31 +263,7 @@ class LlamaModel:
         expected_in = {"o_proj": cfg.num_heads * hd, "down_proj": inter}
         fields = "hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size"
 
-        # checks that need only the headers, before any weight is read
-        extra_layers = sorted({k.split(".")[2] for k in sd if k.startswith("model.layers.")}
-                              - {str(i) for i in range(cfg.num_layers)}, key=lambda s: (len(s), s))
-        if extra_layers:
-            raise LiteturboError(f"the weights hold decoder layers beyond num_hidden_layers={cfg.num_layers} in "
-                                 f"config.json (e.g. layer {extra_layers[0]}); config.json does not belong to these "
-                                 f"weights")
-        held = {int(k.split(".")[2]) for k in sd if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
-        missing = [i for i in range(cfg.num_layers) if i not in held]
-        if missing:
-            raise LiteturboError(f"config.json says num_hidden_layers={cfg.num_layers} but the weights hold no tensor "
-                                 f"of decoder layer {missing[0]} ({len(held)} layers found); a shard is missing or "
-                                 f"config.json does not belong to these weights")
-        if qspec:
-            outside = sorted(p for p in quantized_prefixes(sd, qspec) if not p.startswith("model.layers."))
-            if outside:
-                raise LiteturboError(f"quantized tensors outside the decoder linears are not supported: {outside[:3]}")
-        embed_name = "model.embed_tokens.weight"
-        if embed_name not in sd:
-            raise LiteturboError(f"checkpoint {path} lacks tensor {embed_name!r}")
-        check(embed_name, sd.shape(embed_name), (cfg.vocab_size, h), "vocab_size, hidden_size")
-        if "lm_head.weight" in sd:
-            check("lm_head.weight", sd.shape("lm_head.weight"), (cfg.vocab_size, h), "vocab_size, hidden_size")
-        elif not cfg.tie_word_embeddings:
-            raise LiteturboError(f"checkpoint {path} lacks lm_head.weight and does not tie word embeddings")
+        _check_layout(sd, cfg, qspec, path, check)  # from the headers, before any weight is read
 
         def linear(prefixes: list[str], bias: bool, qlinears: dict) -> Linear:
             """One (fused) linear from the named projections, shape-checked; W4A16 if they are quantized."""
@@ -289,7 +275,7 @@ class LlamaModel:
                 elif f"{p}.weight" in sd:
                     check(f"{p}.weight", sd.shape(f"{p}.weight"), want, fields)
             if all(p in qlinears for p in prefixes):
-                parts = [qlinears.pop(p) for p in prefixes]
+                parts = [qlinears.pop(p) if shard is None else shard.quantized(p, qlinears.pop(p)) for p in prefixes]
                 try:
                     qw = QuantizedWeight.concat_out(parts)
                 except ValueError:  # e.g. act-order q/k/v with different g_idx: keep them apart
@@ -298,8 +284,11 @@ class LlamaModel:
                 return Linear(backend, backend.prepare_w4a16(qw, dtype), "w4a16", qw.out_features)
             if any(p in qlinears for p in prefixes):
                 raise LiteturboError(f"layers {prefixes} are partly quantized; liteturbo fuses them and needs all or none")
-            w = torch.cat([take(f"{p}.weight") for p in prefixes], 0)
-            b = torch.cat([take(f"{p}.bias") for p in prefixes], 0) if bias else None
+            wb = [(take(f"{p}.weight"), take(f"{p}.bias") if bias else None) for p in prefixes]
+            if shard is not None:
+                wb = [shard.dense(p, w, b) for p, (w, b) in zip(prefixes, wb)]
+            w = torch.cat([w for w, _ in wb], 0)
+            b = torch.cat([b for _, b in wb], 0) if all(b is not None for _, b in wb) else None
             return Linear(backend, backend.prepare_linear(w, b, dtype), None, w.shape[0])
 
         for i in range(cfg.num_layers):
@@ -325,11 +314,12 @@ class LlamaModel:
                 raise LiteturboError(f"decoder layer {i} holds tensors a {cfg.model_type} model with this config.json "
                                      f"does not use (e.g. {unused[0]!r}); config.json does not belong to these weights")
             model.layers.append(layer)
-        model.embed = take(embed_name).to(dev, dtype)
+        rows = (lambda t: t) if shard is None else shard.rows  # a rank keeps its vocabulary rows
+        model.embed = rows(take("model.embed_tokens.weight")).to(dev, dtype)
         model.norm = take("model.norm.weight").to(dev, dtype)
         lm = sd.pop("lm_head.weight", None)
         tied = lm is None
-        head = model.embed if tied else lm.to(dev, dtype)
+        head = model.embed if tied else rows(lm).to(dev, dtype)
         del lm
         if lm_head_int8:
             model.lm_head = Linear(backend, backend.prepare_w8a16(head, dtype), "w8a16", head.shape[0])
@@ -347,9 +337,10 @@ class LlamaModel:
         against :meth:`check_positions` on the host before."""
         cfg, be = self.cfg, self.backend
         t = input_ids.shape[0]
-        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, cfg.head_dim
         q_size, kv_size = nh * hd, nkv * hd
-        h = self.embed[input_ids]
+        sh = self.shard  # tensor parallelism: the row-parallel outputs are summed over the ranks
+        h = self.embed[input_ids] if sh is None else sh.embed(self.embed, input_ids, be)
         cos = self.cos_sin[0][positions].unsqueeze(1).to(self.dtype)  # [T, 1, D]
         sin = self.cos_sin[1][positions].unsqueeze(1).to(self.dtype)
         x = be.rms_norm(h, self.layers[0].input_norm, cfg.rms_norm_eps) if self.layers else h
@@ -363,8 +354,11 @@ class LlamaModel:
                 k = be.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q = be.rotary_write(q, k, v, cos, sin, kv_cache, i, meta.slot_mapping)
             a = be.attention(q, kv_cache, i, meta, self.scale)
-            x, h = be.add_rms_norm(layer.o(a.reshape(t, q_size)), h, layer.post_norm, cfg.rms_norm_eps)
+            o = layer.o(a.reshape(t, q_size))
+            x, h = be.add_rms_norm(o if sh is None else be.all_reduce(o), h, layer.post_norm, cfg.rms_norm_eps)
             y = layer.down(be.silu_and_mul(layer.gate_up(x)))
+            if sh is not None:
+                y = be.all_reduce(y)
             if i + 1 < len(self.layers):  # the residual add fused with the next layer's input norm
                 x, h = be.add_rms_norm(y, h, self.layers[i + 1].input_norm, cfg.rms_norm_eps)
             else:
@@ -375,7 +369,8 @@ class LlamaModel:
         head = self.lm_head
         if self.lm_head_dense is not None and h.shape[0] >= be.dense_lm_head_min_rows:
             head = self.lm_head_dense
-        return head(h).float()
+        logits = head(h).float()
+        return logits if sh is None else sh.gather_logits(logits, be)
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of every tensor the model holds, by part (the keys of :func:`turbo.core.planner.weight_breakdown`):
@@ -397,3 +392,36 @@ class LlamaModel:
         if max_position >= self.cos_sin[0].shape[0]:
             raise LiteturboError(f"position {max_position} exceeds max_position_embeddings="
                                  f"{self.cfg.max_position_embeddings}")
+
+
+def _check_layout(sd, cfg: ModelConfig, qspec, path: Path, check) -> None:
+    """Checks of a checkpoint that need only its headers (before any weight is read): the decoder layers present
+    match config.json, no quantized tensor outside the decoder linears, embedding and lm_head shapes. Raises
+    ``LiteturboError``."""
+    from lite.formats import quantized_prefixes
+
+    extra_layers = sorted({k.split(".")[2] for k in sd if k.startswith("model.layers.")}
+                          - {str(i) for i in range(cfg.num_layers)}, key=lambda s: (len(s), s))
+    if extra_layers:
+        raise LiteturboError(f"the weights hold decoder layers beyond num_hidden_layers={cfg.num_layers} in "
+                             f"config.json (e.g. layer {extra_layers[0]}); config.json does not belong to these "
+                             f"weights")
+    held = {int(k.split(".")[2]) for k in sd if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    missing = [i for i in range(cfg.num_layers) if i not in held]
+    if missing:
+        raise LiteturboError(f"config.json says num_hidden_layers={cfg.num_layers} but the weights hold no tensor "
+                             f"of decoder layer {missing[0]} ({len(held)} layers found); a shard is missing or "
+                             f"config.json does not belong to these weights")
+    if qspec:
+        outside = sorted(p for p in quantized_prefixes(sd, qspec) if not p.startswith("model.layers."))
+        if outside:
+            raise LiteturboError(f"quantized tensors outside the decoder linears are not supported: {outside[:3]}")
+    embed_name = "model.embed_tokens.weight"
+    if embed_name not in sd:
+        raise LiteturboError(f"checkpoint {path} lacks tensor {embed_name!r}")
+    h = cfg.hidden_size
+    check(embed_name, sd.shape(embed_name), (cfg.vocab_size, h), "vocab_size, hidden_size")
+    if "lm_head.weight" in sd:
+        check("lm_head.weight", sd.shape("lm_head.weight"), (cfg.vocab_size, h), "vocab_size, hidden_size")
+    elif not cfg.tie_word_embeddings:
+        raise LiteturboError(f"checkpoint {path} lacks lm_head.weight and does not tie word embeddings")

@@ -24,6 +24,10 @@ accounted for); the pool takes ``cache_max_entry_count`` (default :data:`POOL_FR
 ``available``, or the fixed size asked for (``num_blocks``, ``kv_cache_gib``, ``max_kv_tokens``; on CPUs the default
 is :data:`CPU_DEFAULT_KV_TOKENS` tokens), which must fit in ``available``. The workspace grows with the prefill chunk,
 so a larger chunk never makes the pool hold more tokens.
+
+Tensor parallelism (``tp`` ranks, :mod:`turbo.core.tp`): every figure is per rank, for rank 0 (the largest: it holds
+the row-parallel biases and the widest vocabulary range, and samples from the gathered logits); each rank has its
+own device and a pool of as many blocks, each block holding that rank's KV heads.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ import torch
 
 from backends import Backend, KVCacheSpec, LinearSpec
 from lite.formats import LiteturboError
+
+from .tp.shard import rank_config
 
 GiB = 2**30
 MiB = 2**20
@@ -93,9 +99,11 @@ def decoder_linear_specs(cfg, w: WeightChoice) -> list[LinearSpec]:
 
 
 def weight_breakdown(cfg, backend_cls: type[Backend], device_type: str, dtype: torch.dtype,
-                     w: WeightChoice) -> dict[str, int]:
+                     w: WeightChoice, tp: int = 1) -> dict[str, int]:
     """Bytes the engine holds for the weights, by part: ``decoder linears``, ``embeddings``, ``lm_head``, ``norms``,
-    ``rotary tables`` (see the module docstring). ``cfg`` is a :class:`turbo.core.model.ModelConfig`."""
+    ``rotary tables`` (see the module docstring); per rank (rank 0) with ``tp`` ranks. ``cfg`` is a
+    :class:`turbo.core.model.ModelConfig` of the whole model."""
+    cfg = rank_config(cfg, tp)
     e = torch.empty((), dtype=dtype).element_size()
     per_layer = sum(backend_cls.linear_nbytes(s, dtype, device_type) for s in decoder_linear_specs(cfg, w))
     embed = cfg.vocab_size * cfg.hidden_size * e
@@ -113,8 +121,10 @@ def weight_breakdown(cfg, backend_cls: type[Backend], device_type: str, dtype: t
 def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_cache_dtype: str,
                         quantized: bool, lm_head_int8: bool, max_num_batched_tokens: int, max_batch_size: int,
                         session_len: int, batch_invariant: bool = False,
-                        context_tokens: int | None = None) -> dict[str, int]:
-    """Upper-bound estimate of the transient memory of one step, by part (bytes).
+                        context_tokens: int | None = None, tp: int = 1) -> dict[str, int]:
+    """Upper-bound estimate of the transient memory of one step, by part (bytes); per rank (rank 0) with ``tp``
+    ranks: its heads and MLP features, its vocabulary rows' logits and the whole vocabulary's gathered float32
+    logits it samples from.
 
     T = ``max_num_batched_tokens`` (tokens of one step), B = ``max_batch_size`` (rows that need logits),
     C = ``session_len`` (longest context), E = bytes of ``dtype``:
@@ -133,6 +143,7 @@ def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_
       for sampling, and the int8 lm_head's dequantized tile.
     """
     e = torch.empty((), dtype=dtype).element_size()
+    vocab, cfg = cfg.vocab_size, rank_config(cfg, tp)
     t, b, c = max_num_batched_tokens, max_batch_size, session_len
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     nh, nkv = cfg.num_heads, cfg.num_kv_heads
@@ -152,15 +163,16 @@ def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_
         decode = ctx * (gather_per_token + nh * (8 + e))
         attn = max(prefill, decode)
     rows = min(b, t)
-    logits = rows * cfg.vocab_size * (e + 4 + SAMPLING_BYTES_PER_LOGIT)
+    logits = rows * cfg.vocab_size * (e + 4) + rows * vocab * (SAMPLING_BYTES_PER_LOGIT + (4 if tp > 1 else 0))
     if lm_head_int8:
         logits += min(4096, cfg.vocab_size) * h * e
     return {"activations": act, "dequantized weight": dequant, "attention": attn, "logits and sampling": logits}
 
 
-def kv_spec(cfg, kv_cache_dtype: str, block_size: int, num_blocks: int = 1) -> KVCacheSpec:
-    """The :class:`~backends.kv_cache.KVCacheSpec` the engine allocates for ``cfg``. Raises ``LiteturboError`` for a
-    dtype the cache cannot hold (e.g. int4 with an odd head_dim)."""
+def kv_spec(cfg, kv_cache_dtype: str, block_size: int, num_blocks: int = 1, tp: int = 1) -> KVCacheSpec:
+    """The :class:`~backends.kv_cache.KVCacheSpec` the engine allocates for ``cfg`` (on each rank, with ``tp``
+    ranks). Raises ``LiteturboError`` for a dtype the cache cannot hold (e.g. int4 with an odd head_dim)."""
+    cfg = rank_config(cfg, tp)
     try:
         return KVCacheSpec(kv_cache_dtype, num_blocks, block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     except ValueError as e:

@@ -89,6 +89,22 @@ class ModelRunner:
         """Bytes the KV pool holds (values and scales)."""
         return self.kv_cache.nbytes
 
+    # what a tensor-parallel runner (turbo.core.tp.group.ParallelRunner) changes: at one rank nothing dies and the
+    # KV cache is this one
+    dead: str | None = None
+
+    def export_kv(self, slots: list[int]) -> dict[str, torch.Tensor]:
+        """The stored K/V of cache ``slots`` (see :meth:`backends.kv_cache.PagedKVCache.export`), on the CPU."""
+        return self.kv_cache.export(torch.tensor(slots, dtype=torch.long))
+
+    def import_kv(self, kv: dict[str, torch.Tensor], slots: list[int]) -> None:
+        """Write what :meth:`export_kv` returned into ``slots``. Raises ``ValueError`` for a missing or misshaped
+        tensor (nothing written then)."""
+        self.kv_cache.load(kv, torch.tensor(slots, dtype=torch.long, device=self.model.backend.device))
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (nothing at one rank)."""
+
     def run(self, step: StepInput) -> torch.Tensor:
         """float32 logits ``[len(step.logits_rows), vocab]``."""
         self.model.check_positions(max(step.positions))  # on the host: the forward never synchronizes

@@ -9,13 +9,14 @@ free after loading, less the workspace. What cannot fit is refused with the shor
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from backends import Backend, KVCacheSpec, KVQuantParams, get_backend
-from backends.platform import Platform
+from backends.cpu_threads import ThreadController, apply_threads, usable_cpus
+from backends.platform import Platform, current_platform
 from lite.formats import LiteturboError, load_config, load_kv_params, resolve_model
 
 from ..config import EngineConfig
@@ -24,6 +25,8 @@ from .block_manager import BlockManager
 from .model import LlamaModel, ModelConfig
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .tp.group import ParallelRunner, WorkerGroup
+from .tp.shard import Shard, check_split, rank_config
 
 
 @dataclass
@@ -44,6 +47,7 @@ class EngineParts:
     session_len: int
     eos_token_ids: set[int]
     workspace_bytes: int
+    thread_control: ThreadController = field(default_factory=ThreadController.inert)  # backends/cpu_threads.py
 
 
 @dataclass
@@ -60,15 +64,16 @@ class _Fit:
     lm_int8: bool
     kv_cache_dtype: str
     raw_config: dict  # config.json, read once
+    shard: Shard | None = None  # tensor parallelism: this process's rank (None at tensor_parallel_size 1)
 
     def workspace(self, context_tokens: int | None = None) -> dict[str, int]:
-        """A step's workspace by part (:func:`turbo.core.planner.workspace_breakdown`)."""
+        """A step's workspace by part (:func:`turbo.core.planner.workspace_breakdown`), of this rank."""
         c, m = self.config, self.model_cfg
         return planner.workspace_breakdown(
             m, type(self.backend), self.dtype, self.kv_cache_dtype, self.weights.bits < 16, self.lm_int8,
             c.max_num_batched_tokens, c.max_batch_size,
             min(c.session_len or m.max_position_embeddings, m.max_position_embeddings), c.batch_invariant,
-            context_tokens)
+            context_tokens, tp=c.tensor_parallel_size)
 
 
 def engine_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
@@ -86,8 +91,9 @@ def engine_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
 
 
 def kv_spec(fit: _Fit, num_blocks: int) -> KVCacheSpec:
-    """The KV cache's shape and storage. Raises ``LiteturboError`` for a bad combination."""
-    m = fit.model_cfg
+    """The KV cache's shape and storage (of this rank's KV heads). Raises ``LiteturboError`` for a bad
+    combination."""
+    m = rank_config(fit.model_cfg, fit.config.tensor_parallel_size)
     try:
         return KVCacheSpec(fit.kv_cache_dtype, num_blocks, fit.config.block_size, m.num_layers, m.num_kv_heads,
                            m.head_dim)
@@ -95,10 +101,20 @@ def kv_spec(fit: _Fit, num_blocks: int) -> KVCacheSpec:
         raise LiteturboError(str(e)) from None
 
 
-def resolve(config: EngineConfig, model: str | Path | None) -> _Fit:
-    """Model folder, platform, backend, compute dtype, lm_head and KV storage, from the options and config.json."""
+def resolve(config: EngineConfig, model: str | Path | None, rank: int = 0) -> _Fit:
+    """Model folder, platform, backend, compute dtype, lm_head and KV storage, from the options and config.json;
+    with tensor parallelism, the shard of ``rank``, refusing (before loading) a split that breaks a head or a
+    quantization group, or more ranks than devices."""
     path = resolve_model(model)
     platform = config.platform()
+    tp = config.tensor_parallel_size
+    if tp > 1 and platform.kind != "cpu":
+        try:
+            for r in range(tp):
+                current_platform(platform.rank_device(r))
+        except ValueError as e:
+            raise LiteturboError(f"tensor_parallel_size={tp} needs {tp} devices counting from {platform.device}: "
+                                 f"{e}") from None
     try:
         backend = get_backend(config.backend, platform.device, batch_invariant=config.batch_invariant)
     except (ValueError, RuntimeError) as e:
@@ -112,16 +128,29 @@ def resolve(config: EngineConfig, model: str | Path | None) -> _Fit:
         config.lm_head == "auto" and bool(raw_cfg.get("quantization_config"))
         and backend.device.type == "cpu" and dtype != torch.float32)
     # config + weight layout the planner counts with, read from the headers once
-    return _Fit(path, config, platform, backend, dtype, ModelConfig.from_dict(raw_cfg),
-                planner.weight_choice(path, raw_cfg, lm_int8), lm_int8, config.kv_storage_dtype(), raw_cfg)
+    model_cfg, weights = ModelConfig.from_dict(raw_cfg), planner.weight_choice(path, raw_cfg, lm_int8)
+    shard = None
+    if tp > 1:
+        check_split(model_cfg, tp, weights.bits, weights.group_size)
+        shard = Shard.of(model_cfg, rank, tp)
+    return _Fit(path, config, platform, backend, dtype, model_cfg, weights, lm_int8, config.kv_storage_dtype(),
+                raw_cfg, shard)
+
+
+def rank_free(fit: _Fit) -> int:
+    """Bytes free for this rank now: its device's free memory, or on a CPU the available RAM shared out between
+    the tensor-parallel ranks."""
+    free = fit.platform.free_memory()
+    return free // fit.config.tensor_parallel_size if fit.platform.kind == "cpu" else free
 
 
 def check_fits_before_loading(fit: _Fit, free: int) -> None:
     """Refuse, before reading any weight, a model whose weights and step workspace exceed ``free`` bytes (memory
     other processes use is not free), naming the shortfall and what would help. Raises ``LiteturboError``."""
     wc, c = fit.weights, fit.config
+    tp = c.tensor_parallel_size
     weights = sum(planner.weight_breakdown(fit.model_cfg, type(fit.backend), fit.platform.device.type, fit.dtype,
-                                           wc).values())
+                                           wc, tp).values())
     ws = sum(fit.workspace(context_tokens=c.block_size).values())
     if weights + ws <= free:
         return
@@ -130,7 +159,8 @@ def check_fits_before_loading(fit: _Fit, free: int) -> None:
         f"({'W%dA16' % wc.bits if wc.bits < 16 else str(fit.dtype).removeprefix('torch.')}) and a step's "
         f"workspace {planner.gib(ws)} (max_num_batched_tokens={c.max_num_batched_tokens}, "
         f"max_batch_size={c.max_batch_size}), but only {planner.gib(free)} of {fit.platform.kind} memory is "
-        f"free (the rest is in use): {planner.gib(weights + ws - free)} short, before any KV cache. "
+        f"free (the rest is in use{'; per rank of %d' % tp if tp > 1 else ''}): {planner.gib(weights + ws - free)} "
+        f"short, before any KV cache. "
         + ("Quantize it to 4 bits (liteturbo lite auto-awq), " if wc.bits > 4 else "")
         + f"lower max_num_batched_tokens / max_batch_size / session_len, free memory, or use a larger "
           f"device; `liteturbo plan {fit.path}` shows the accounting")
@@ -160,7 +190,7 @@ def kv_calibration(fit: _Fit, model_cfg: ModelConfig) -> KVQuantParams | None:
             raise LiteturboError(f"the KV parameter file of {fit.path} was made for another model ({bad}); "
                                  f"run `liteturbo lite calibrate-kv` on this model, or pass kv_calibration=False "
                                  f"(--no-kv-calibration)")
-    return params
+    return params if fit.shard is None else fit.shard.kv_params(params)
 
 
 def fit_hint(fit: _Fit, fitting_tokens: int, session: bool = False) -> str:
@@ -225,21 +255,46 @@ def start(config: EngineConfig, model: str | Path | None) -> EngineParts:
     """Build an engine's parts: resolve, fit-check before loading, load, size the pool, build the runner, block
     manager and scheduler. Raises ``LiteturboError`` for a bad model, option, or what cannot fit."""
     fit = resolve(config, model)
-    check_fits_before_loading(fit, fit.platform.free_memory())
-    llama = LlamaModel.from_pretrained(fit.path, fit.backend, fit.dtype, lm_head_int8=fit.lm_int8)
-    tokenizer = load_tokenizer(fit.path)
-    kv_params = kv_calibration(fit, llama.cfg)
-    num_blocks, workspace_bytes = pool_blocks(fit, fit.platform.free_memory())
+    tp_cpu = fit.shard is not None and fit.platform.kind == "cpu"
+    try:  # size torch's threads to the cores usable here; adapt them during decode on a CPU device
+        # tensor parallelism on a CPU: the N ranks share the cores, 1/N each, fixed (turbo.core.tp.worker alike)
+        threads = apply_threads(max(1, usable_cpus() // config.tensor_parallel_size) if tp_cpu else config.threads)
+    except ValueError as e:
+        raise LiteturboError(str(e)) from None
+    thread_control = ThreadController(threads.threads, threads.adaptive and fit.platform.kind == "cpu")
+    check_fits_before_loading(fit, rank_free(fit))
+    # tensor parallelism: the other ranks load their shards meanwhile (turbo.core.tp)
+    group = WorkerGroup(config, fit.path, fit.platform) if fit.shard is not None else None
+    try:
+        llama = LlamaModel.from_pretrained(fit.path, fit.backend, fit.dtype, lm_head_int8=fit.lm_int8,
+                                           shard=fit.shard)
+        tokenizer = load_tokenizer(fit.path)
+        kv_params = kv_calibration(fit, llama.cfg)
+        num_blocks, workspace_bytes = pool_blocks(fit, rank_free(fit))
+        if group is not None:
+            num_blocks = group.gather_blocks(num_blocks)  # every rank allocates the same pool
+    except BaseException:
+        if group is not None:
+            group.close(graceful=False)
+        raise
     bs = config.block_size
     graphs = fit.platform.kind == "cuda" and not config.enforce_eager and getattr(fit.backend, "graph_safe_decode",
-                                                                                   False)
+                                                                                   False) and group is None
     block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
     scheduler = Scheduler(block_manager, config.max_batch_size, config.max_num_batched_tokens)
     max_ctx = min(llama.cfg.max_position_embeddings, num_blocks * bs)
     try:
-        runner = ModelRunner(llama, kv_spec(fit, num_blocks), kv_params, graphs=graphs,
-                             max_context=min(config.session_len or max_ctx, max_ctx), max_batch=config.max_batch_size)
-    except (RuntimeError, MemoryError) as e:
+        if group is not None:
+            runner = ParallelRunner(llama, kv_spec(fit, num_blocks), kv_params, group)
+        else:
+            runner = ModelRunner(llama, kv_spec(fit, num_blocks), kv_params, graphs=graphs,
+                                 max_context=min(config.session_len or max_ctx, max_ctx),
+                                 max_batch=config.max_batch_size)
+    except BaseException as e:
+        if group is not None:
+            group.close(graceful=False)
+        if not isinstance(e, (RuntimeError, MemoryError)) or isinstance(e, LiteturboError):
+            raise
         raise LiteturboError(f"cannot allocate the KV cache of {num_blocks} blocks x {bs} tokens ({e}); lower "
                              f"kv_cache_gib / cache_max_entry_count / num_blocks / max_kv_tokens") from None
     session_len = min(config.session_len or max_ctx, max_ctx)
@@ -250,4 +305,5 @@ def start(config: EngineConfig, model: str | Path | None) -> EngineParts:
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return EngineParts(fit.path, fit.platform, fit.backend, fit.dtype, llama, tokenizer, fit.kv_cache_dtype,
-                       kv_params, block_manager, scheduler, runner, session_len, eos, workspace_bytes)
+                       kv_params, block_manager, scheduler, runner, session_len, eos, workspace_bytes,
+                       thread_control=thread_control)
