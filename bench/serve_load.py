@@ -12,10 +12,14 @@ concurrent streaming clients; ``--sessions`` of them hold a multi-turn session (
    httpx in this process; sessions are deleted by their clients at the end, so afterwards ``/metrics`` must show
    no KV block in use.
 2. in-process: the same requests through :class:`turbo.loop.EngineLoop` in this process (no HTTP), same engine
-   options, same concurrency.
+   options, same concurrency (submitted from a pool of 40 threads, as the server's).
 
-Printed: requests done / errors, p50 and p99 time to first token, p50 inter-token latency, output tokens/s, and
-served / in-process throughput (the server's overhead as a ratio).
+Time to first token is counted, in both modes, from when a request is issued (served: the HTTP request is sent;
+in-process: before its chat template is rendered and it is submitted, which waits for the engine's lock) to its
+first text piece. ``engine_ttft_mean_s``: the engine's own count (from ``add_request`` to the first token; served:
+``/metrics``). Printed: requests done / errors, p50 and p99 time to first token, p50 inter-token latency, output
+tokens/s, and served / in-process throughput and TTFT p50 (``served_vs_inprocess_throughput``,
+``served_vs_inprocess_ttft_p50`` in ``--json``).
 """
 from __future__ import annotations
 
@@ -47,13 +51,19 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
+def _metric(text: str, name: str) -> float:
+    """A sample of the Prometheus text ``text`` (0 when absent)."""
+    return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(name + " ")), 0.0)
+
+
 def _summary(name: str, records: list[dict], wall: float, errors: int) -> dict:
     ttft = [r["ttft"] for r in records]
     itl = [r["itl"] for r in records if r["itl"] is not None]
     toks = sum(r["tokens"] for r in records)
+    eng = [r["engine_ttft"] for r in records if "engine_ttft" in r]
     return {"mode": name, "requests": len(records), "errors": errors, "output_tokens": toks, "wall_s": wall,
             "tokens_per_s": toks / wall, "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-            "itl_p50_s": _pct(itl, 0.5)}
+            "itl_p50_s": _pct(itl, 0.5), "engine_ttft_mean_s": sum(eng) / len(eng) if eng else None}
 
 
 async def _served_run(url: str, args) -> tuple[list[dict], int]:
@@ -125,27 +135,32 @@ async def _inprocess_run(loop, args) -> tuple[list[dict], int]:
     records, errors = [], 0
     gen = GenerationConfig(max_new_tokens=args.max_tokens, ignore_eos=True)
 
-    async def consume(handle):
-        t0 = time.perf_counter()
+    async def consume(t0, handle):  # t0: when the request was issued (before tokenizing and submitting), as served
         times = []
         async for piece in handle:
             if piece:
                 times.append(time.perf_counter())
         n = len(handle.output.token_ids)
         records.append({"ttft": times[0] - t0, "itl": (times[-1] - times[0]) / (n - 1) if n > 1 else None,
-                        "tokens": n})
+                        "tokens": n, "engine_ttft": handle.output.ttft})
 
     # submitting waits for the engine lock (a step may be running): off the event loop, as the server does it
     async def one_shot(prompt):
+        t0 = time.perf_counter()
         ids = await asyncio.to_thread(engine.chat_template_ids, [{"role": "user", "content": prompt}])
-        await consume(await asyncio.to_thread(loop.submit, ids, gen))
+        await consume(t0, await asyncio.to_thread(loop.submit, ids, gen))
 
     async def session(prompt):
         s = await asyncio.to_thread(engine.session)
         for t in range(args.turns):
-            await consume(await asyncio.to_thread(loop.submit_chat, s, f"{prompt} (turn {t})", gen))
+            t0 = time.perf_counter()
+            await consume(t0, await asyncio.to_thread(loop.submit_chat, s, f"{prompt} (turn {t})", gen))
         await asyncio.to_thread(s.close)
 
+    # submitting waits for the engine lock in a worker thread: as many threads as the server's pool (anyio's 40)
+    import concurrent.futures
+
+    asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(40))
     prompts = _prompts(args.clients)
     await asyncio.gather(*[session(p) if i < args.sessions else one_shot(p) for i, p in enumerate(prompts)])
     return records, errors
@@ -190,11 +205,15 @@ def main() -> None:
                 raise SystemExit(f"the server did not start: {proc.stderr.read()[-2000:]}")
             time.sleep(0.5)
         asyncio.run(_served_run(url, argparse.Namespace(**dict(vars(args), clients=4, sessions=1, turns=1))))  # warm
+        before = httpx.get(f"{url}/metrics", timeout=30).text
         t = time.perf_counter()
         records, errors = asyncio.run(_served_run(url, args))
         results.append(_summary("served", records, time.perf_counter() - t, errors))
         time.sleep(0.5)
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        hist = [_metric(m, f"liteturbo_time_to_first_token_seconds_{k}") for m in (metrics, before)
+                for k in ("sum", "count")]
+        results[-1]["engine_ttft_mean_s"] = (hist[0] - hist[2]) / (hist[1] - hist[3]) if hist[1] > hist[3] else None
         used = [float(x.split()[-1]) for x in metrics.splitlines() if x.startswith("liteturbo_kv_blocks_used ")]
         results[-1]["kv_blocks_used_after"] = used[0] if used else None
     finally:
@@ -216,9 +235,10 @@ def main() -> None:
     finally:
         loop.stop()
     ratio = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
+    ttft = results[0]["ttft_p50_s"] / results[1]["ttft_p50_s"]
     out = {"model": str(model), "clients": args.clients, "sessions": args.sessions, "turns": args.turns,
            "max_tokens": args.max_tokens, "threads": args.threads, "results": results,
-           "served_vs_inprocess_throughput": ratio}
+           "served_vs_inprocess_throughput": ratio, "served_vs_inprocess_ttft_p50": ttft}
     if args.json:
         print(json.dumps(out))
         return
@@ -228,7 +248,7 @@ def main() -> None:
     for r in results:
         print(f"{r['mode']:>11} {r['requests']:>8} {r['errors']:>6} {r['ttft_p50_s']:>8.2f}s {r['ttft_p99_s']:>8.2f}s "
               f"{r['itl_p50_s'] * 1e3:>6.0f}ms {r['tokens_per_s']:>8.1f}")
-    print(f"served / in-process throughput: {ratio:.2f}x; KV blocks in use after the served run: "
+    print(f"served / in-process throughput: {ratio:.2f}x; TTFT p50 {ttft:.2f}x; KV blocks in use after the served run: "
           f"{results[0].get('kv_blocks_used_after'):.0f}")
 
 

@@ -191,3 +191,50 @@ def test_a_front_that_dies_takes_its_engine_process_with_it(tiny):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
     engine.wait(30)  # psutil.TimeoutExpired if it stayed
+
+
+def _tp_workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(_engine_pid(proc)).children() if "spawn_main" in " ".join(p.cmdline())
+            and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_a_tensor_parallel_worker_killed_mid_generation_gives_503_and_the_server_exits(tiny):
+    proc, url = _start_server(tiny, "--tp", "2")
+    try:
+        workers = _tp_workers(proc)
+        assert len(workers) == 1  # rank 1 (rank 0 is the engine process)
+        body = {"model": "tiny", "prompt": "the year", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            workers[0].kill()
+            t_kill = time.time()
+            events = [line for line in lines if line.startswith("data: ")]
+        errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {") and "error" in e]
+        assert errors and errors[0]["type"] and "rank 1" in errors[0]["message"], events[-3:]
+        proc.wait(30)
+        assert time.time() - t_kill < 30 and proc.returncode != 0
+        assert "rank 1" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_serve_tp3_smollm2_w4a16_equals_tp1(smollm2_rtn_g64):
+    """SmolLM2-135M (9 heads, 3 KV heads) W4A16 g64 split over 3 gloo ranks behind `liteturbo serve --tp 3`."""
+    prompts = ["The capital of France is", "def fibonacci(n):\n    return", "Once upon a time, there was a"]
+    ref = Engine(smollm2_rtn_g64, dtype="float32").generate(prompts, max_new_tokens=24, ignore_eos=True)
+    proc, url = _start_server(smollm2_rtn_g64, "--tp", "3", "--model-name", "w")
+    try:
+        assert len(_tp_workers(proc)) == 2
+        for prompt, want in zip(prompts, ref):
+            r = httpx.post(f"{url}/v1/completions", json={"model": "w", "prompt": prompt, "max_tokens": 24,
+                                                          "temperature": 0, "ignore_eos": True}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want.text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)

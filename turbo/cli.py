@@ -20,58 +20,8 @@ from lite.formats import LiteturboError
 from lite.formats.checkpoint import weight_files
 from lite.memory import quantize_fit
 
-
-def _kv_options(fn):
-    """KV cache options shared by chat, eval-ppl and serve."""
-    opts = [
-        click.option("--kv-cache-dtype", default="auto", show_default=True,
-                     help="KV cache storage: auto (the compute dtype), bfloat16, float16, float32, int8, int4."),
-        click.option("--quant-policy", default=None, type=int,
-                     help="LMDeploy's spelling of the KV dtype: 0 = 16-bit, 8 = int8, 4 = int4."),
-        click.option("--no-kv-calibration", is_flag=True,
-                     help="Ignore calibrated KV parameters in MODEL (online int8/int4)."),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
-
-
-def _device_options(fn):
-    """--device, --backend, --enforce-eager, --threads and --tp, shared by chat, eval-ppl and serve."""
-    def _threads(ctx, param, value):  # --threads reaches EngineConfig(threads=None) through $LITETURBO_THREADS
-        from backends.cpu_threads import parse_threads
-
-        if value is not None:
-            try:
-                parse_threads(value)
-            except ValueError as e:
-                raise click.BadParameter(str(e)) from None
-            os.environ["LITETURBO_THREADS"] = value.strip()
-
-    def _tp(ctx, param, value):  # --tp reaches EngineConfig(tensor_parallel_size=None) through $LITETURBO_TP
-        if value is not None:
-            os.environ["LITETURBO_TP"] = str(value)
-
-    opts = [
-        click.option("--device", default="auto", show_default=True,
-                     help="auto (a GPU, then an NPU, then the CPU), cpu, cuda[:N] or npu[:N]."),
-        click.option("--backend", default="auto", show_default=True,
-                     help="auto (triton on CUDA/ROCm, ascend on NPUs, torch on CPUs), torch, triton or ascend; "
-                          "`liteturbo env` lists what runs here."),
-        click.option("--enforce-eager", is_flag=True,
-                     help="Never replay decode steps as CUDA graphs (they are by default on CUDA)."),
-        click.option("--threads", default=None, metavar="auto|N|-K", expose_value=False, callback=_threads,
-                     help="CPU threads: auto (the cores this process may use; fewer while other processes keep "
-                          "cores busy, back when they stop), N (fixed) or -K (all usable cores but K). Sets "
-                          "$LITETURBO_THREADS for the engines the command builds."),
-        click.option("--tp", "--tensor-parallel-size", default=None, type=click.IntRange(min=1), expose_value=False,
-                     callback=_tp, help="Split the model over N devices (tensor parallelism; one process each: "
-                                        "cuda:0..N-1 from --device's index; on a CPU all share it). Default 1. Sets "
-                                        "$LITETURBO_TP for the engines the command builds."),
-    ]
-    for o in reversed(opts):
-        fn = o(fn)
-    return fn
+from .cli_options import device_options as _device_options
+from .cli_options import kv_options as _kv_options
 
 
 def kv_summary(engine) -> str:
@@ -104,8 +54,8 @@ main.add_command(lite)
 @_device_options
 @_kv_options
 @friendly_errors
-def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backend, enforce_eager, kv_cache_dtype,
-             quant_policy, no_kv_calibration) -> None:
+def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device_opts, kv_cache_dtype, quant_policy,
+             no_kv_calibration) -> None:
     """Perplexity of MODEL on a bundled dataset's test text (WikiText-2: rows joined with "\\n\\n").
 
     Windows are scored in chunks through the engine's paged KV cache, so with --kv-cache-dtype int8/int4 every
@@ -117,8 +67,7 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backen
         raise LiteturboError(f"--seqlen must be at least 2 tokens, got {seqlen}")
     if max_windows is not None and max_windows < 1:
         raise LiteturboError(f"--max-windows must be at least 1, got {max_windows} (leave it out to score all)")
-    engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, enforce_eager=enforce_eager,
-                                        max_kv_tokens=seqlen, lm_head="16bit",
+    engine = Engine(model, EngineConfig(dtype=dtype, **device_opts, max_kv_tokens=seqlen, lm_head="16bit",
                                         kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
                                         kv_calibration=not no_kv_calibration))
     r = perplexity(engine, calib_data.eval_text(dataset), seqlen, max_windows, progress=not as_json)
@@ -154,8 +103,7 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device, backen
 @_kv_options
 @friendly_errors
 def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, session_len, max_kv_tokens,
-         kv_cache_gib,
-         cache_max_entry_count, url, api_key, device, backend, enforce_eager, kv_cache_dtype, quant_policy,
+         kv_cache_gib, cache_max_entry_count, url, api_key, device_opts, kv_cache_dtype, quant_policy,
          no_kv_calibration) -> None:
     """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too. With --url, chat
     with a running `liteturbo serve` through its sessions API instead (MODEL and the engine options are unused)."""
@@ -170,9 +118,9 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
         click.echo(f"[liteturbo] session {session.id} on {session.url}; /reset clears the history, /exit quits",
                    err=True)
     else:
-        engine = Engine(model, EngineConfig(dtype=dtype, device=device, backend=backend, enforce_eager=enforce_eager,
-                                            session_len=session_len,
-                                            max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib, cache_max_entry_count=cache_max_entry_count,
+        engine = Engine(model, EngineConfig(dtype=dtype, **device_opts, session_len=session_len,
+                                            max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,
+                                            cache_max_entry_count=cache_max_entry_count,
                                             kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
                                             kv_calibration=not no_kv_calibration))
         session = engine.session(system)
@@ -261,11 +209,10 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
 @_device_options
 @_kv_options
 @friendly_errors
-def serve(model, host, port, model_name, api_keys, engine_process, dtype, max_batch_size, max_num_batched_tokens, block_size,
-          session_len,
-          max_kv_tokens, kv_cache_gib,
-          cache_max_entry_count, max_request_bytes, log_level, session_dir, max_sessions, session_idle_timeout,
-          device, backend, enforce_eager, kv_cache_dtype, quant_policy, no_kv_calibration) -> None:
+def serve(model, host, port, model_name, api_keys, engine_process, dtype, max_batch_size, max_num_batched_tokens,
+          block_size, session_len, max_kv_tokens, kv_cache_gib, cache_max_entry_count, max_request_bytes, log_level,
+          session_dir, max_sessions, session_idle_timeout, device_opts, kv_cache_dtype, quant_policy,
+          no_kv_calibration) -> None:
     """Serve MODEL over HTTP: OpenAI-compatible /v1/chat/completions and /v1/completions (streaming or not) and
     stateful /v1/sessions (docs/serving.md)."""
     try:
@@ -278,26 +225,19 @@ def serve(model, host, port, model_name, api_keys, engine_process, dtype, max_ba
                              f"{session_idle_timeout}")
     run(model, host=host, port=port, model_name=model_name, api_keys=api_keys or "",
         max_request_bytes=max_request_bytes, log_level=log_level, session_dir=session_dir, max_sessions=max_sessions,
-        session_idle_timeout=session_idle_timeout, engine_process=engine_process, dtype=dtype, device=device, backend=backend,
-        enforce_eager=enforce_eager,
+        session_idle_timeout=session_idle_timeout, engine_process=engine_process, dtype=dtype, **device_opts,
         max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-        session_len=session_len,
-        max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,
+        session_len=session_len, max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,
         cache_max_entry_count=cache_max_entry_count, kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
         kv_calibration=not no_kv_calibration)
 
 
-@main.command()
-@click.option("--replica", "replicas", multiple=True, required=True, help="http://HOST:PORT of a replica; repeat.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=23333, show_default=True, type=int)
-@click.option("--api-keys", default=None, envvar="LITETURBO_API_KEYS", help="Bearer tokens for /v1, comma-separated.")
-@friendly_errors
-def route(replicas, host, port, api_keys) -> None:
-    """Route clients to `liteturbo serve` replicas sharing one --session-dir: a session to the one holding its KV, the
-    rest to the least loaded; a dead replica's sessions move to the others (docs/serving.md, Replicas and routing)."""
-    from turbo.serve.router import route as run
-    run(replicas, host=host, port=port, api_keys=api_keys or "")
+@main.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def route(args) -> None:
+    """Route clients to `liteturbo serve` replicas by session (turbo/serve/router.py; `liteturbo route --help`)."""
+    from turbo.serve.router import route_command
+    route_command.main(list(args), prog_name="liteturbo route")
 
 
 @main.command()
@@ -322,8 +262,7 @@ def route(replicas, host, port, api_keys) -> None:
 @click.option("--max-kv-tokens", default=None, type=int,
               help="KV pool in tokens (CPUs; default 16384). GPUs/NPUs take 90% of what is left.")
 @click.option("--tp", "--tensor-parallel-size", "tp", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Plan for the model split over N devices (tensor parallelism): every figure is per device, "
-                   "--gpu-mem is one device's memory (on a CPU the N ranks share the budget).")
+              help="Plan for N devices (tensor parallelism): figures and --gpu-mem per device.")
 @click.option("--quant-method", default="awq", show_default=True, type=click.Choice(["awq", "gptq", "rtn"]),
               help="Method whose peak memory the quantization line reports.")
 @click.option("--calib-samples", default=128, show_default=True, type=int)

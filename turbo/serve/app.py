@@ -96,9 +96,10 @@ class Served:
         """A request's :class:`~turbo.config.GenerationConfig` (400 when the layers do not fit)."""
         return gen_config(self.client.session_len, *layers)
 
-    def defaults(self, sid: str) -> tuple[dict, int | None]:
-        """Session ``sid``'s sampling defaults and creation time (``({}, None)`` for one the registry restored)."""
-        return self.session_meta.get(sid, ({}, None))
+    def defaults(self, sid: str, stored: dict) -> tuple[dict, int | None]:
+        """Session ``sid``'s sampling defaults and creation time: as this app created it, else ``stored`` (what the
+        registry kept: a session restored, or created by another replica) and no time."""
+        return self.session_meta.get(sid, (stored, None))
 
 
 def served(request: Request) -> Served:
@@ -265,11 +266,11 @@ async def chat_completions(request: Request):
         gen = s.gen(req.sampling, want_lp)
         handle = await run_in_threadpool(lambda: c.submit(c.chat_template_ids(req.messages), gen))
         return await respond(request, job, handle)
-    await on_session(s, c.check_session, req.session_id)  # 404 first
+    stored = await on_session(s, c.check_session, req.session_id)  # 404 first
     if req.messages[-1]["role"] != "user":
         raise APIError(400, "with 'session_id' the last message must be the user's new message (the "
                             "session keeps the earlier ones)", param="messages")
-    gen = s.gen(s.defaults(req.session_id)[0], req.sampling, want_lp)
+    gen = s.gen(s.defaults(req.session_id, stored)[0], req.sampling, want_lp)
     handle = await on_session(s, c.submit_chat, req.session_id, req.messages[-1]["content"], gen, s.persist)
     return await respond(request, job, handle)
 
@@ -289,7 +290,8 @@ async def create_session(request: Request):
     s = served(request)
     req = protocol.read_new_session(await read_json(request, s.max_request_bytes, allow_empty=True))
     s.gen(req.defaults)  # bad defaults fail now, not at the first turn
-    sid = await run_in_threadpool(s.client.session_create, req.system)  # OverCapacity (503) when full
+    # 400 / 409 for a bad or taken client-chosen id, 503 when full
+    sid = await run_in_threadpool(s.client.session_create, req.system, req.session_id, req.defaults)
     created = int(time.time())
     for gone in set(s.session_meta) - set(await run_in_threadpool(s.client.session_ids)):  # expired ones
         s.session_meta.pop(gone, None)
@@ -302,9 +304,9 @@ async def create_session(request: Request):
 @v1.post("/sessions/{sid}/chat")
 async def session_chat(sid: str, request: Request):
     s = served(request)
-    await on_session(s, s.client.check_session, sid)  # 404 before reading the body
+    stored = await on_session(s, s.client.check_session, sid)  # 404 before reading the body
     turn = protocol.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
-    gen = s.gen(s.defaults(sid)[0], turn.sampling)
+    gen = s.gen(s.defaults(sid, stored)[0], turn.sampling)
     handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist)
     return await respond(request, Job("session", s.model_id, turn.stream, session_id=sid), handle)
 
@@ -313,7 +315,7 @@ async def session_chat(sid: str, request: Request):
 async def session_info(sid: str, request: Request):
     s = served(request)
     info = await on_session(s, s.client.session_info, sid)
-    defaults, created = s.defaults(sid)
+    defaults, created = s.defaults(sid, info.pop("defaults"))
     last = info.pop("last")
     return {"id": sid, "object": "session", "created": created, "model": s.model_id, **info,
             "defaults": protocol.api_fields(defaults), "last_usage": None if last is None else usage(last)}

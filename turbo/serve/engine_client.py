@@ -84,17 +84,20 @@ class InprocClient:
         on_end = (lambda: self.sessions.persist(sid)) if persist else None
         return self.loop.submit_chat(session, message, gen, 0, on_end)
 
-    def session_create(self, system: str | None = None) -> str:
-        """A new session's id (``OverCapacity`` when the registry is full)."""
-        return self.sessions.create(system)[0]
+    def session_create(self, system: str | None = None, session_id: str | None = None,
+                       defaults: dict | None = None) -> str:
+        """A new session's id (``session_id`` when given: ``InvalidRequest`` if malformed, ``Conflict`` if taken),
+        with its sampling ``defaults`` (keywords); ``OverCapacity`` when the registry is full."""
+        return self.sessions.create(system, session_id, defaults)[0]
 
-    def check_session(self, sid: str) -> None:
-        """Raises ``NotFound`` unless ``sid`` is a live session."""
+    def check_session(self, sid: str) -> dict:
+        """``sid``'s sampling defaults (as created; kept in the session dir); raises ``NotFound`` unless it lives."""
         self.sessions.get(sid)
+        return self.sessions.defaults(sid)
 
     def session_info(self, sid: str) -> dict:
-        """:func:`session_facts` of ``sid`` (``NotFound`` for an unknown id)."""
-        return session_facts(self.sessions.get(sid))
+        """:func:`session_facts` of ``sid`` and its ``defaults`` (``NotFound`` for an unknown id)."""
+        return dict(session_facts(self.sessions.get(sid)), defaults=self.sessions.defaults(sid))
 
     def session_delete(self, sid: str) -> None:
         """Delete ``sid`` (``NotFound``; ``Conflict`` while it generates)."""

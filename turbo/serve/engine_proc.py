@@ -18,13 +18,13 @@ engine -> front
     ``("error", wire_error)``); ``("reply", cid, result, wire_error)``; ``("dead", why)`` before exiting when the
     engine died (e.g. a tensor-parallel worker was killed).
 
-Submissions run on the loop thread between steps (all that arrived during a step run before the next one).
+Submissions and calls run on the loop thread between steps (all that arrived during a step run before the next
+one), so none waits for the engine's lock behind a string of steps.
 Detokenization stays here (stop strings need it); chat templates are rendered by the front. The process ignores
 SIGINT (the front shuts it down).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import pickle
 import signal
@@ -53,7 +53,6 @@ class EngineProcess:
         self.handles: dict = {}
         self.batch: list = []  # this turn's outputs (loop thread only)
         self.stop = threading.Event()
-        self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="liteturbo-engine-rpc")
 
     def send(self, msg: tuple) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -120,7 +119,7 @@ class EngineProcess:
             return self.loop.submit_chat(session, message, gen, 0, on_end, sink=self.sink)
         self._start(rid, go)
 
-    # --- calls (thread pool) -------------------------------------------------------------------------------------
+    # --- calls (on the loop thread, between steps) -------------------------------------------------------------------------------------
     def call(self, cid: int, method: str, args: tuple) -> None:
         try:
             result = getattr(self, "rpc_" + method)(*args)
@@ -128,15 +127,15 @@ class EngineProcess:
         except Exception as e:  # noqa: BLE001 - raised again in the front
             self.send(("reply", cid, None, error_to_wire(e)))
 
-    def rpc_session_create(self, system, session_id=None):
-        return self.sessions.create(system)[0] if session_id is None else \
-            self.sessions.create(system, session_id=session_id)[0]
+    def rpc_session_create(self, system, session_id=None, defaults=None):
+        return self.sessions.create(system, session_id, defaults)[0]
 
     def rpc_check_session(self, sid):
         self.sessions.get(sid)
+        return self.sessions.defaults(sid)
 
     def rpc_session_info(self, sid):
-        return session_facts(self.sessions.get(sid))
+        return dict(session_facts(self.sessions.get(sid)), defaults=self.sessions.defaults(sid))
 
     def rpc_session_delete(self, sid):
         self.sessions.delete(sid)
@@ -161,8 +160,8 @@ class EngineProcess:
             h = self.handles.get(msg[1])
             if h is not None:
                 h.cancel()
-        elif kind == "call":
-            self.pool.submit(self.call, *msg[1:])
+        elif kind == "call":  # between steps too: a thread waiting for the engine's lock could wait many steps
+            self.loop.call_soon(lambda: self.call(*msg[1:]))
         elif kind == "shutdown":
             self.stop.set()
 
@@ -195,7 +194,6 @@ class EngineProcess:
                 close()
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
-        self.pool.shutdown(wait=False, cancel_futures=True)
         self.out.close(linger=2000)
         self.inp.close(linger=0)
         self.ctx.term()

@@ -181,11 +181,12 @@ class MPClient:
         rid = next(self._ids)
         return self._open(("chat", rid, sid, message, gen, persist), rid)
 
-    def session_create(self, system: str | None = None) -> str:
-        return self._call("session_create", system)
+    def session_create(self, system: str | None = None, session_id: str | None = None,
+                       defaults: dict | None = None) -> str:
+        return self._call("session_create", system, session_id, defaults)
 
-    def check_session(self, sid: str) -> None:
-        self._call("check_session", sid)
+    def check_session(self, sid: str) -> dict:
+        return self._call("check_session", sid)
 
     def session_info(self, sid: str) -> dict:
         return self._call("session_info", sid)

@@ -21,6 +21,7 @@ from lite.formats import LiteturboError
 
 from ..config import LIST_KINDS, SAMPLING, SAMPLING_FIELDS, GenerationConfig, SamplingField, bound_text
 from .responses import APIError
+from .sessions import session_id_problem
 
 MAX_LOGPROBS = SAMPLING["logprobs"].hi  # what the engine's sampler returns at most (20)
 
@@ -361,10 +362,12 @@ class CompletionRequest:
 
 @dataclass
 class NewSession:
-    """A checked ``POST /v1/sessions``: the system prompt and the session's sampling defaults (keywords)."""
+    """A checked ``POST /v1/sessions``: the system prompt, the session's sampling defaults (keywords) and the id the
+    client chose (``None``: the server picks one)."""
 
     system: str | None
     defaults: dict
+    session_id: str | None = None
 
 
 @dataclass
@@ -404,12 +407,16 @@ def read_completion(data: dict, model_id: str) -> CompletionRequest:
 
 
 def read_new_session(data: dict) -> NewSession:
-    """A new session's system prompt and sampling defaults (400 naming the field)."""
+    """A new session's system prompt, sampling defaults and optional ``id`` (400 naming the field; an ``id`` must
+    have the form of the ids the server makes, ``sess-`` + 24 lowercase hex digits)."""
     b = Body(data, "a session")
     system = b.str("system")
+    sid = b.str("id")
+    if sid is not None and (why := session_id_problem(sid)):
+        raise APIError(400, f"'id' {why}", param="id")
     defaults = read_sampling(b)
     b.done()
-    return NewSession(system, defaults)
+    return NewSession(system, defaults, sid)
 
 
 def read_turn(data: dict, model_id: str) -> Turn:
