@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import pickle
 import shutil
 import subprocess
@@ -32,6 +33,8 @@ from ..core.startup import load_tokenizer
 from ..errors import EngineDead, InvalidRequest
 from ..loop import RequestHandle
 from .engine_client import error_from_wire
+
+log = logging.getLogger("liteturbo.server")
 
 
 class RemoteRequest:
@@ -213,7 +216,10 @@ class MPClient:
                         msg = pickle.loads(self._from.recv(zmq.NOBLOCK))
                     except zmq.Again:
                         break
-                    self._dispatch(msg)
+                    try:
+                        self._dispatch(msg)
+                    except Exception:  # noqa: BLE001 - one bad message must not stop every request's output
+                        log.exception("could not handle a message of the engine process")
             elif self.proc.poll() is not None:
                 self._die(f"the engine process exited (exit code {self.proc.returncode}); the server is shutting "
                           f"down")
