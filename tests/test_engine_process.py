@@ -238,3 +238,40 @@ def test_serve_tp3_smollm2_w4a16_equals_tp1(smollm2_rtn_g64):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def test_ctrl_c_ends_open_streams_with_their_error_event_and_exits_cleanly(tmp_path):
+    from tiny_models import build_tiny_llama, save_word_tokenizer
+
+    long = build_tiny_llama(tmp_path / "long", max_position_embeddings=65536)  # a stream that outlasts the grace
+    save_word_tokenizer(long, 128, bos=True)
+    proc, url = _start_server(long, "--max-kv-tokens", "40000", "--session-len", "40000")
+    try:
+        engine = psutil.Process(_engine_pid(proc))
+        body = {"model": "long", "prompt": "the year", "max_tokens": 39000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl+C reaches the whole process group
+            events = [line for line in lines if line.startswith("data: ")]
+        errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {") and "error" in e]
+        assert errors and "shutting down" in errors[0]["message"] and events[-1] == "data: [DONE]", events[-3:]
+        proc.wait(30)
+        err = proc.stderr.read()
+        assert proc.returncode in (0, -signal.SIGINT, 130) and "error:" not in err, (proc.returncode, err[-500:])
+        engine.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_taken_port_is_refused_before_loading(tiny):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "turbo.cli", "serve", str(tiny), "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "serving" not in r.stderr

@@ -152,6 +152,10 @@ class EngineLoop:
             self._thread.join(timeout)
         self._thread = None
 
+    def cancel_all(self) -> None:
+        """Cancel every open request (between steps): each ends with finish reason ``cancelled``."""
+        self.call_soon(lambda: [self._cancel(h) for h in list(self._handles.values())])
+
     @property
     def running(self) -> bool:
         """Whether the loop thread is alive."""

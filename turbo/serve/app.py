@@ -38,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
+import socket
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -420,6 +422,7 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
     if not is_int(max_request_bytes) or max_request_bytes < 1:  # checked before the (slow) model load
         raise LiteturboError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     keys = _parse_keys(api_keys)
+    _check_port(host, port)  # before the (slow) model load
     if session_dir is not None:  # before the (slow) model load
         make_dirs(Path(session_dir).expanduser(), "--session-dir")
     registry = dict(max_sessions=max_sessions, idle_timeout=session_idle_timeout, session_dir=session_dir)
@@ -436,6 +439,18 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
     _run(app, host, port, log_level, bool(keys))
 
 
+def _check_port(host: str, port: int) -> None:
+    """Raises ``LiteturboError`` when ``host:port`` cannot be listened on (taken, or not an address here)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(infos[0][4])
+    except OSError as e:
+        raise LiteturboError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host, "
+                             f"or stop what uses it") from None
+
+
 def _run(app: FastAPI, host: str, port: int, log_level: str, keys: bool) -> None:
     """Serve ``app`` with uvicorn until interrupted, or until its engine process dies (then raise why)."""
     import uvicorn  # only to run: create_app alone does not need it
@@ -447,14 +462,23 @@ def _run(app: FastAPI, host: str, port: int, log_level: str, keys: bool) -> None
     print(f"[liteturbo] serving '{app.state.model_name}' ({client.backend_name} backend on {client.device}, "
           f"session_len {client.session_len}{', engine process' if isinstance(client, MPClient) else ''}) at "
           f"http://{host}:{port}/v1{' (API keys required)' if keys else ''}", file=sys.stderr)
-    # on Ctrl+C, open streams get 5 s to end; then their requests are cancelled and the engine stops
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+    # on Ctrl+C, open streams get 4 s to end; then their requests are cancelled (each stream ends with its error
+    # event and [DONE]) before uvicorn's 5 s grace ends, and the engine stops
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            timer = threading.Timer(4.0, client.cancel_all)
+            timer.daemon = True
+            timer.start()
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5))
     dead = []
     if isinstance(client, MPClient):
         client.on_dead.append(lambda why: (dead.append(why), setattr(server, "should_exit", True)))
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn raises Ctrl+C again once it has shut down: a normal stop
+        pass
     finally:
         client.close()
     if dead:

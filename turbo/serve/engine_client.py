@@ -115,6 +115,10 @@ class InprocClient:
         """The engine's counters (:meth:`turbo.core.engine.EngineCore.stats`)."""
         return self.engine.stats()
 
+    def cancel_all(self) -> None:
+        """Cancel every open request (the server is stopping)."""
+        self.loop.cancel_all()
+
     def close(self) -> None:
         """Stop the loop (open requests are cancelled)."""
         self.loop.stop()

@@ -258,8 +258,8 @@ class MPClient:
                 pass
         return end[1]
 
-    def _die(self, why: str) -> None:
-        """End everything open with :class:`EngineDead` and tell ``on_dead``."""
+    def _die(self, why: str, notify: bool = True) -> None:
+        """End everything open with :class:`EngineDead` and tell ``on_dead`` (if ``notify``)."""
         self.dead = why
         for rid, h in list(self._handles.items()):
             self._handles.pop(rid, None)
@@ -271,11 +271,16 @@ class MPClient:
         for cid, fut in list(self._calls.items()):
             self._calls.pop(cid, None)
             fut.set_exception(EngineDead(self.dead))
-        for fn in self.on_dead:
+        for fn in self.on_dead if notify else ():
             try:
                 fn(self.dead)
             except Exception:  # noqa: BLE001 - every callback runs
                 pass
+
+    def cancel_all(self) -> None:
+        """Cancel every open request (the server is stopping): each ends with finish reason ``cancelled``."""
+        for h in list(self._handles.values()):
+            h.cancel()
 
     # --- stopping ------------------------------------------------------------------------------------------------
     def _stop_process(self, timeout: float = 30.0) -> None:
@@ -307,5 +312,5 @@ class MPClient:
         self._closing = True
         self._thread.join(5)  # it stops polling within half a second
         if self.dead is None:
-            self._die("the server stopped")
+            self._die("the server stopped", notify=False)
         self._stop_process()
