@@ -90,6 +90,8 @@ def test_route_command_refuses_a_bad_replica_address():
 
     r = CliRunner().invoke(main, ["route", "--replica", "localhost"])
     assert r.exit_code != 0 and "not a server address" in r.output
+    r = CliRunner().invoke(main, ["route", "--replica", "http://127.0.0.1:23334/v1"])  # an OpenAI base URL
+    assert r.exit_code != 0 and "without the path" in r.output
 
 
 def test_router_checks_keys_and_answers_503_when_no_replica_is_up():

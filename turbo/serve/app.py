@@ -232,7 +232,7 @@ async def prometheus_metrics(request: Request):
 async def health(request: Request):
     s = served(request)
     if not s.client.running:
-        return APIError(503, s.client.dead or "the engine loop is not running").response()
+        return APIError(503, s.client.exit_reason or "the engine loop is not running").response()
     return {"status": "ok", "model": s.model_id}
 
 

@@ -63,6 +63,7 @@ class InprocClient:
         self.backend_name, self.device = engine.backend.name, str(engine.platform.device)
         self.observers = loop.observers  # called with each finished request's GenerationOutput
         self.dead: str | None = None  # an engine in this process dies with it
+        self.exit_reason: str | None = None
 
     @property
     def running(self) -> bool:

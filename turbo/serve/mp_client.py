@@ -162,8 +162,16 @@ class MPClient:
     # --- the client's methods (as InprocClient's) -----------------------------------------------------------------
     @property
     def running(self) -> bool:
-        """Whether the engine process lives and serves (``/health``)."""
-        return self.dead is None and self.proc.poll() is None
+        """Whether the engine process lives and serves (``/health``); else :attr:`exit_reason` says why."""
+        return self.exit_reason is None
+
+    @property
+    def exit_reason(self) -> str | None:
+        """Why the engine does not serve: :attr:`dead`, or its exit before the receiver thread noticed it."""
+        rc = self.proc.poll()
+        if self.dead is not None or rc is None:
+            return self.dead
+        return f"the engine process exited (exit code {rc}); the server is shutting down"
 
     def chat_template_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template (raises ``LiteturboError``)."""
@@ -221,8 +229,7 @@ class MPClient:
                     except Exception:  # noqa: BLE001 - one bad message must not stop every request's output
                         log.exception("could not handle a message of the engine process")
             elif self.proc.poll() is not None:
-                self._die(f"the engine process exited (exit code {self.proc.returncode}); the server is shutting "
-                          f"down")
+                self._die(self.exit_reason)
 
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]

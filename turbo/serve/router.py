@@ -74,8 +74,9 @@ def replica_url(url: str) -> str:
         port = None
     if u.scheme not in ("http", "https") or not u.hostname or port is None or u.path not in ("", "/") \
             or u.query or u.fragment:
+        hint = " without the path (the router adds /v1 itself)" if u.path not in ("", "/") else ""
         raise LiteturboError(f"--replica {url!r} is not a server address; give http://HOST:PORT of a `liteturbo "
-                             f"serve` (e.g. http://127.0.0.1:23334)")
+                             f"serve`{hint} (e.g. http://127.0.0.1:23334)")
     return f"{u.scheme}://{u.netloc}"
 
 
