@@ -275,3 +275,21 @@ def test_a_taken_port_is_refused_before_loading(tiny):
         r = subprocess.run([sys.executable, "-m", "turbo.cli", "serve", str(tiny), "--port", str(port)],
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr and "serving" not in r.stderr
+
+
+def test_serve_options_reach_the_engine_config(monkeypatch):
+    from click.testing import CliRunner
+
+    import turbo.serve.app
+    from turbo.cli import main
+
+    seen = {}
+    monkeypatch.setattr(turbo.serve.app, "serve", lambda model, **kw: seen.update(kw))
+    r = CliRunner().invoke(main, ["serve", "m", "--batch-invariant", "--tp", "3", "--threads", "-1"])
+    assert r.exit_code == 0, r.output
+    assert seen["batch_invariant"] is True and seen["tensor_parallel_size"] == 3 and seen["threads"] == -1
+    assert seen["engine_process"] is True
+    from turbo import EngineConfig
+
+    engine_fields = {k: v for k, v in seen.items() if k in EngineConfig.__dataclass_fields__}
+    assert EngineConfig(**engine_fields).batch_invariant is True

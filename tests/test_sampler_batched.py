@@ -357,3 +357,22 @@ def test_nan_logits_fail_only_their_request_and_session_recovers(tmp_path):
     assert len(s.messages) == 2  # the failed turn left no message
     again = s.chat("of and", max_new_tokens=2)  # not poisoned by the failed turn's K/V
     assert isinstance(again, str) and again == first  # greedy, same conversation so far
+
+
+def test_a_temperature_that_overflows_the_logits_acts_as_greedy():
+    """x / T overflows float32 for a subnormal or tiny T: such a row must pick the argmax (the limit T -> 0), not
+    junk drawn from NaN probabilities; a row with a usable T beside it still draws."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 5
+    logits[3] = -logits[3].abs() - 1  # every logit negative: x / T -> -inf for all of them
+    rows = [RowSampling(temperature=t, generator=torch.Generator().manual_seed(i))
+            for i, t in enumerate((1e-45, 1e-39, 1e-38, 1e-44))]
+    got = [s.token_id for s in sample_batch(logits, rows)]
+    assert got == logits.argmax(-1).tolist()
+    mixed = [RowSampling(temperature=1e-45), RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(3))]
+    out = sample_batch(logits[:2], mixed)
+    ref = sample_batch(logits[1:2], [RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(3))])
+    assert out[0].token_id == logits[0].argmax().item() and out[1].token_id == ref[0].token_id
+    inf = logits[:1].clone()
+    inf[0, 7] = inf[0, 9] = float("inf")  # what a tiny repetition_penalty makes of positive seen logits
+    assert sample_batch(inf, [RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(0))])[0].token_id == 7

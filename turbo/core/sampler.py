@@ -187,8 +187,13 @@ def sample_batch_device(logits: torch.Tensor, rows: Sequence[RowSampling], row_i
     drawn = [i for i, r in enumerate(rows) if r.temperature > 0.0]
     sel = torch.tensor(drawn, dtype=torch.long).to(dev) if len(drawn) < n else None
     temp = torch.tensor([rows[i].temperature for i in drawn], dtype=torch.float32).to(dev)
-    s = (x if sel is None else x.index_select(0, sel)) / temp[:, None]
-    picks = _draw(s, [rows[i] for i in drawn])
+    xs = x if sel is None else x.index_select(0, sel)
+    s = xs / temp[:, None]
+    # a temperature so small that finite logits overflow (inf, or every one -inf), or a penalty that made a logit
+    # +inf (a tiny repetition_penalty), acts as its limit, greedy: the draw would see NaN probabilities, i.e. junk
+    over = (~torch.isfinite(s) & torch.isfinite(xs)).any(-1) | torch.isposinf(xs).any(-1)
+    s = torch.where(over[:, None], xs, s)
+    picks = torch.where(over, xs.argmax(-1), _draw(s, [rows[i] for i in drawn]))
     if sel is None:
         return picks.masked_fill_(bad, -1), lp_vals, lp_ids
     tok = torch.empty(n, dtype=torch.long, device=dev)
