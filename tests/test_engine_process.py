@@ -293,3 +293,22 @@ def test_serve_options_reach_the_engine_config(monkeypatch):
 
     engine_fields = {k: v for k, v in seen.items() if k in EngineConfig.__dataclass_fields__}
     assert EngineConfig(**engine_fields).batch_invariant is True
+
+
+def test_logit_bias_keeps_a_token_out_of_the_reply(served, reference):
+    http, _ = served
+    ids = reference.chat_template_ids(MSGS)
+    want = reference.generate(ids, GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    banned = want.token_ids[0]
+    body = {"model": "tiny", "messages": MSGS, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(banned): -100}, "logprobs": True, "top_logprobs": 5}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["logprobs"]["content"]
+    biased = reference.generate(ids, GenerationConfig(max_new_tokens=8, ignore_eos=True, logit_bias={banned: -100}))
+    assert r.json()["choices"][0]["message"]["content"] == biased.text
+    assert banned not in biased.token_ids and len(got) == 8
+    for bad, why in (({"5": 300}, "token 5 has 300"), ({"abc": 1}, "not a token id"), ([1, 2], "logit_bias"),
+                     ({"100000": -5}, "outside the vocabulary")):
+        r = http.post("/v1/chat/completions", json=dict(body, logit_bias=bad))
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text

@@ -376,3 +376,25 @@ def test_a_temperature_that_overflows_the_logits_acts_as_greedy():
     inf = logits[:1].clone()
     inf[0, 7] = inf[0, 9] = float("inf")  # what a tiny repetition_penalty makes of positive seen logits
     assert sample_batch(inf, [RowSampling(temperature=1.0, generator=torch.Generator().manual_seed(0))])[0].token_id == 7
+
+
+def test_logit_bias_is_added_after_the_penalties_and_shows_in_logprobs():
+    from turbo import GenerationConfig
+
+    torch.manual_seed(1)
+    logits = torch.randn(2, 40)
+    top = logits[0].argmax().item()
+    rows = [RowSampling(logit_bias={top: -100.0, 5: 2.5}, logprobs=3), RowSampling(logprobs=3)]
+    out = sample_batch(logits, rows)
+    want = logits[0].clone()
+    want[top] -= 100
+    want[5] += 2.5
+    assert out[0].token_id == want.argmax().item() != top
+    assert out[0].logprobs == top_logprobs(want, 3)
+    assert out[1].token_id == logits[1].argmax().item()  # the other row is untouched
+    g = GenerationConfig(logit_bias={"7": 100, 3: -1.5})  # JSON object keys are strings
+    assert g.logit_bias == {7: 100.0, 3: -1.5}
+    for bad, why in (({"x": 1}, "not a token id"), ({1: 101}, "token 1 has 101"), ({-1: 1}, "not a token id"),
+                     ({1: float("nan")}, "token 1 has nan"), ([1], "must map token ids"), ({1: True}, "True")):
+        with pytest.raises(LiteturboError, match=why):
+            GenerationConfig(logit_bias=bad)

@@ -213,7 +213,7 @@ def test_bad_requests_get_400_naming_the_field(app, http):
         (dict(stop=[""]), "stop", "non-empty"), (dict(seed=-1), "seed", ">= 0"),
         (dict(n=2), "n", "only n=1"), (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "tool"),
         (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "json_schema"),
-        (dict(logit_bias={"42": 5}), "logit_bias", "not supported"), (dict(frobnicate=1), "frobnicate", "unrecognized"),
+        (dict(logit_bias={"42": 500}), None, "token 42 has 500"), (dict(frobnicate=1), "frobnicate", "unrecognized"),
         (dict(top_logprobs=2), "top_logprobs", "logprobs"), (dict(stream_options={"include_usage": True}),
                                                                "stream_options", "stream"),
         (dict(min_tokens=9, max_tokens=4), "min_tokens", "larger than"),

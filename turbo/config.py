@@ -184,7 +184,8 @@ class SamplingField:
     """One sampling / stopping option of a request, as both the library and the HTTP API read it.
 
     api: its name in the HTTP API (``None``: library only); keyword: the :class:`GenerationConfig` field. kind:
-    ``"int"``, ``"float"`` (finite), ``"bool"``, ``"strs"`` (non-empty strings) or ``"ids"`` (token ids >= 0).
+    ``"int"``, ``"float"`` (finite), ``"bool"``, ``"strs"`` (non-empty strings), ``"ids"`` (token ids >= 0) or
+    ``"bias"`` (token id -> a number in [-100, 100] added to its logit, OpenAI's ``logit_bias``).
     default: the library's default (the HTTP API sets OpenAI's for ``temperature`` and ``max_tokens``). lo / hi:
     bounds (``None``: unbounded; ``lo_open`` / ``hi_open``: exclusive); a ``hi`` that is a string names another
     keyword, checked once every option is known. optional: ``None`` is allowed. api_aliases: other API names of
@@ -217,6 +218,7 @@ SAMPLING_FIELDS = (
     SamplingField("top_k", "top_k", "int", 0, lo=0, api_off=-1),  # -1: vLLM's spelling of off
     SamplingField("stop", "stop", "strs", ()),
     SamplingField("stop_token_ids", "stop_token_ids", "ids", ()),
+    SamplingField("logit_bias", "logit_bias", "bias", {}),  # OpenAI's: token id -> bias in [-100, 100]
     SamplingField("seed", "seed", "int", None, lo=0, hi=2**63, hi_open=True, optional=True),
     SamplingField("ignore_eos", "ignore_eos", "bool", False),
     SamplingField("min_tokens", "min_new_tokens", "int", 0, lo=0, hi="max_new_tokens"),
@@ -265,8 +267,27 @@ def _listed(f: SamplingField, v) -> list:
     return [int(x) for x in v] if f.kind == "ids" else list(v)
 
 
+def _biased(f: SamplingField, v) -> dict[int, float]:
+    """A ``"bias"`` option normalised to ``{token id: float}`` (ids may be given as digit strings, as JSON object
+    keys are). ``LiteturboError`` naming the option."""
+    want = f"{f.keyword} must map token ids (integers >= 0) to numbers in [-100, 100]"
+    if not isinstance(v, dict):
+        raise LiteturboError(f"{want}, got {v!r}")
+    out = {}
+    for k, b in v.items():
+        key = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+        if not isinstance(key, numbers.Integral) or isinstance(key, bool) or key < 0:
+            raise LiteturboError(f"{want}; the key {k!r} is not a token id")
+        if not isinstance(b, numbers.Real) or isinstance(b, bool) or not math.isfinite(b) or not -100 <= b <= 100:
+            raise LiteturboError(f"{want}; token {k} has {b!r}")
+        out[int(key)] = float(b)
+    return out
+
+
 def _sampling_default(keyword: str):
     d = SAMPLING[keyword].default
+    if isinstance(d, dict):
+        return field(default_factory=dict)
     return field(default_factory=list) if isinstance(d, tuple) else field(default=d)
 
 
@@ -281,7 +302,9 @@ class GenerationConfig:
     min_p: keep tokens with probability >= min_p x the top one's (0 = off). repetition_penalty (> 0, 1 = off),
     presence_penalty / frequency_penalty (in [-2, 2], 0 = off): see :mod:`turbo.core.sampler`. min_new_tokens: EOS
     and stop ids are masked until this many tokens exist. logprobs: also return the top-n log-probabilities per
-    token. Raises ``LiteturboError`` naming the option for a wrong type or a value out of range.
+    token. logit_bias: ``{token id: bias}`` added to those tokens' logits before sampling (with the penalties,
+    so logprobs see it), each in [-100, 100] (OpenAI's ``logit_bias``; -100 bans a token in practice). Raises
+    ``LiteturboError`` naming the option for a wrong type or a value out of range.
     """
 
     max_new_tokens: int = _sampling_default("max_new_tokens")
@@ -290,6 +313,7 @@ class GenerationConfig:
     top_p: float = _sampling_default("top_p")
     stop: list[str] = _sampling_default("stop")
     stop_token_ids: list[int] = _sampling_default("stop_token_ids")
+    logit_bias: dict[int, float] = _sampling_default("logit_bias")
     ignore_eos: bool = _sampling_default("ignore_eos")
     seed: int | None = _sampling_default("seed")
     min_p: float = _sampling_default("min_p")
@@ -303,6 +327,8 @@ class GenerationConfig:
         for f in SAMPLING_FIELDS:  # every type before any range
             if f.kind in LIST_KINDS:
                 setattr(self, f.keyword, _listed(f, getattr(self, f.keyword)))
+            elif f.kind == "bias":
+                setattr(self, f.keyword, _biased(f, getattr(self, f.keyword)))
             else:
                 _coerce(self, f.keyword, f.kind, optional=f.optional)
         for f in SAMPLING_FIELDS:

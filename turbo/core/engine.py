@@ -75,6 +75,10 @@ class EngineCore:
             raise LiteturboError(f"priority must be an integer (lower runs first), got {priority!r}")
         if not isinstance(prompt, (str, list, tuple)):
             raise LiteturboError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+        bad_bias = [t for t in gen.logit_bias if t >= self.vocab_size]
+        if bad_bias:
+            raise LiteturboError(f"logit_bias names token ids {sorted(bad_bias)[:3]} outside the vocabulary (size "
+                                 f"{self.vocab_size})")
         bad = [t for t in gen.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise LiteturboError(f"stop_token_ids {bad[:3]} are outside the vocabulary (size {self.vocab_size})")

@@ -2,7 +2,8 @@
 
 Per row, in this order (as vLLM/transformers apply them): repetition penalty (Keskar et al. 2019, CTRL: divide
 positive logits / multiply negative ones of tokens seen in prompt and output), presence and frequency penalties
-(OpenAI API semantics, on generated tokens), banned ids masked to -inf (the engine's min_new_tokens: stop ids),
+(OpenAI API semantics, on generated tokens), logit bias (OpenAI's ``logit_bias``: added), banned ids masked to
+-inf (the engine's min_new_tokens: stop ids),
 the top log-probabilities of these logits when the row asks for them; then greedy (temperature 0: argmax) or
 temperature → top-k → top-p (Holtzman et al. 2020) → min-p → a draw.
 
@@ -18,8 +19,8 @@ the one-row forms over the same code.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +48,7 @@ class RowSampling:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     banned_ids: Collection[int] = ()
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: int = 0
     generator: torch.Generator | None = None
 
@@ -55,14 +57,15 @@ class RowSampling:
         """The options of ``gen`` (a :class:`turbo.GenerationConfig` or anything with the same fields)."""
         return cls(temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, min_p=gen.min_p,
                    repetition_penalty=gen.repetition_penalty, presence_penalty=gen.presence_penalty,
-                   frequency_penalty=gen.frequency_penalty, logprobs=gen.logprobs, **kwargs)
+                   frequency_penalty=gen.frequency_penalty, logprobs=gen.logprobs,
+                   logit_bias=getattr(gen, "logit_bias", None) or {}, **kwargs)
 
     @property
     def penalised(self) -> bool:
         """Whether the row's logits change before the draw (penalties or banned ids)."""
         return bool(self.repetition_penalty != 1.0 or (self.output_ids and (self.presence_penalty
                                                                             or self.frequency_penalty))
-                    or self.banned_ids)
+                    or self.banned_ids or self.logit_bias)
 
 
 @dataclass
@@ -74,11 +77,16 @@ class Sampled:
 
 
 def _penalise_(x: torch.Tensor, rows: Sequence[RowSampling]) -> None:
-    """Apply the rows' penalties and banned ids in place to float32 ``x [len(rows), vocab]``."""
+    """Apply the rows' penalties, logit biases and banned ids in place to float32 ``x [len(rows), vocab]``."""
     rep_r, rep_c, rep_v = [], [], []
     pf_r, pf_c, pf_n, pf_p, pf_f = [], [], [], [], []
     ban_r, ban_c = [], []
+    bias_r, bias_c, bias_v = [], [], []
     for i, r in enumerate(rows):
+        if r.logit_bias:
+            bias_r += [i] * len(r.logit_bias)
+            bias_c += r.logit_bias.keys()
+            bias_v += r.logit_bias.values()
         if r.repetition_penalty != 1.0:
             seen = set(r.prompt_ids)
             seen.update(r.output_ids)
@@ -105,6 +113,9 @@ def _penalise_(x: torch.Tensor, rows: Sequence[RowSampling]) -> None:
         idx = torch.tensor([pf_r, pf_c], dtype=torch.long).to(dev)
         val = torch.tensor([pf_n, pf_p, pf_f], dtype=torch.float32).to(dev)
         x[idx[0], idx[1]] -= val[2] * val[0] + val[1]  # presence + frequency x count, in float32
+    if bias_r:  # OpenAI's logit_bias: added after the penalties
+        idx = torch.tensor([bias_r, bias_c], dtype=torch.long).to(dev)
+        x[idx[0], idx[1]] += torch.tensor(bias_v, dtype=torch.float32).to(dev)
     if ban_r:
         idx = torch.tensor([ban_r, ban_c], dtype=torch.long).to(dev)
         x[idx[0], idx[1]] = _NEG_INF

@@ -7,7 +7,7 @@ uvicorn (``liteturbo serve``). Endpoints (see docs/serving.md for every field):
 - ``GET /health``; ``GET /metrics`` (Prometheus: :mod:`turbo.serve.metrics`); ``GET /v1/models`` (one model) and
   ``GET /v1/models/{id}``;
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: streamed as server-sent events in OpenAI's chunk
-  shapes (ending with ``data: [DONE]``) or not; a field the server cannot honour (tools, ``n`` > 1, ``logit_bias``,
+  shapes (ending with ``data: [DONE]``) or not; a field the server cannot honour (tools, ``n`` > 1,
   ``echo``, ...) or does not know is refused with a 400 naming it, never ignored;
 - ``POST /v1/sessions``, ``POST /v1/sessions/{id}/chat``, ``GET`` / ``DELETE /v1/sessions/{id}``: chats whose KV
   cache stays in the engine between turns, so a turn prefills only its new tokens (also reachable as the

@@ -159,6 +159,10 @@ def _field_value(b: Body, f: SamplingField, name: str) -> Any:
     v = b.raw(name)
     if v is None:
         return None
+    if f.kind == "bias":  # the values are checked by GenerationConfig (400 naming the token)
+        if not isinstance(v, dict):
+            raise b.bad(name, "an object mapping token ids to numbers in [-100, 100]")
+        return v
     if f.kind == "strs" and isinstance(v, str):
         v = [v]
     ok = isinstance(v, list) and all((isinstance(x, str) and x) if f.kind == "strs" else (is_int(x) and x >= 0)
@@ -262,7 +266,6 @@ def read_common(b: Body, model_id: str, chat: bool) -> tuple[bool, bool]:
                        param="n", code="unsupported_field")
     stream, include_usage = _read_stream(b)
     b.str("user")  # an end-user id for the caller's own bookkeeping: nothing to do with it here
-    b.refuse("logit_bias", lambda v: v == {}, "per-token logit biases are not implemented")
     for name, harmless, why in _REFUSED_CHAT if chat else _REFUSED_COMPLETION:
         b.refuse(name, harmless, why)
     return stream, include_usage
