@@ -1,8 +1,11 @@
 """Shared helpers of the benchmark scripts (not a library module)."""
 from __future__ import annotations
 
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,3 +34,27 @@ def text_prompts(tokenizer, n: int, length: int, offset: int = 0) -> list[list[i
 
     ids = tokenizer("".join(calib_data.load_rows("wikitext2", "valid")), add_special_tokens=False)["input_ids"]
     return [ids[offset + i * length: offset + (i + 1) * length] for i in range(n)]
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for a server the benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, seconds: float = 600) -> None:
+    """Wait until ``url``/health answers 200; ``SystemExit`` with the server's stderr if ``proc`` exits or
+    ``seconds`` pass first."""
+    import httpx
+
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            raise SystemExit(f"{url} did not start: {proc.stderr.read()[-3000:] if proc.stderr else ''}")
+        time.sleep(0.3)

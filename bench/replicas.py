@@ -25,44 +25,23 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import common  # noqa: F401  (puts the repository on sys.path)
+from common import free_port, wait_healthy
 
 TOPICS = ["the sea", "a city", "music", "mountains", "a library", "the moon", "trains", "gardens", "rain",
           "bread", "rivers", "winter", "bees", "bridges", "chess", "clocks"]
 QUESTIONS = ["Tell me one fact about {}.", "Why does that matter?", "Say it again in five words."]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(args: list[str], threads: int) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), LITETURBO_THREADS=str(threads))
     return subprocess.Popen([sys.executable, "-m", "turbo.cli", *args], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, seconds: float = 600) -> None:
-    import httpx
-
-    deadline = time.time() + seconds
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            raise SystemExit(f"{url} did not start: {proc.stderr.read()[-3000:] if proc.stderr else ''}")
-        time.sleep(0.3)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -188,7 +167,7 @@ def main() -> None:
 
     model, _tmp = w4a16_checkpoint("smollm2-135m-instruct", 64, args.model)
     sdir = tempfile.TemporaryDirectory(prefix="liteturbo-sessions-")
-    ports = [_free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3)]
     urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     opts = ["--session-dir", sdir.name, "--log-level", "warning", "--session-len", "2048", "--max-batch-size", "32",
             "--dtype", args.dtype]
@@ -196,11 +175,11 @@ def main() -> None:
     router, zero = None, {"failovers": 0, "retries": 0}
     try:
         for u, p in zip(urls, replicas):
-            _wait_healthy(u, p)
+            wait_healthy(u, p)
         router = _start(["route", "--port", str(ports[2]), "--log-level", "warning", "--health-interval", "0.5",
                          *[x for u in urls for x in ("--replica", u)]], 1)
         rurl = f"http://127.0.0.1:{ports[2]}"
-        _wait_healthy(rurl, router)
+        wait_healthy(rurl, router)
         t0 = time.perf_counter()
         ref = asyncio.run(_run(rurl, args))
         ref_s = time.perf_counter() - t0

@@ -27,18 +27,12 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import common  # noqa: F401  (puts the repository on sys.path)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import free_port, wait_healthy
 
 
 def _prompts(n: int) -> list[str]:
@@ -186,7 +180,7 @@ def main() -> None:
     results = []
 
     # 1. served, in a subprocess
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     proc = subprocess.Popen([sys.executable, "-m", "turbo.cli", "serve", str(model), "--port", str(port),
                              "--log-level", "warning", *engine_opts], env=env, stderr=subprocess.PIPE, text=True)
@@ -194,16 +188,7 @@ def main() -> None:
     try:
         import httpx
 
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"the server did not start: {proc.stderr.read()[-2000:]}")
-            time.sleep(0.5)
+        wait_healthy(url, proc, 300)
         asyncio.run(_served_run(url, argparse.Namespace(**dict(vars(args), clients=4, sessions=1, turns=1))))  # warm
         before = httpx.get(f"{url}/metrics", timeout=30).text
         t = time.perf_counter()
