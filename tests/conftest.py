@@ -115,3 +115,31 @@ def serve_in_thread(app):
         thread.join(10)
 
     return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc, seconds: float = 120) -> None:
+    """Wait until ``url``/health answers 200; ``AssertionError`` with the server's stderr when ``proc`` (a Popen with
+    ``stderr=PIPE``) exits or ``seconds`` pass first."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            raise AssertionError(f"{url} did not start: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)

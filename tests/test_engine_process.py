@@ -21,7 +21,7 @@ from turbo import Engine, EngineConfig, GenerationConfig
 from turbo.serve.app import create_app
 from turbo.serve.mp_client import MPClient
 
-from conftest import serve_in_thread
+from conftest import free_port, serve_in_thread, wait_healthy
 
 OPTS = dict(dtype="float32", max_kv_tokens=1024, block_size=4, max_batch_size=8)
 MSGS = [{"role": "user", "content": "the first of the new year"}]
@@ -53,12 +53,6 @@ def served(tiny):
 @pytest.fixture(scope="module")
 def reference(tiny):
     return Engine(tiny, EngineConfig(**OPTS))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _events(text: str) -> list[dict]:
@@ -130,23 +124,33 @@ def test_a_model_that_fails_to_load_says_why(tmp_path):
 
 
 def _start_server(tiny, *extra) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "turbo.cli", "serve", str(tiny), "--port", str(port),
                              "--log-level", "warning", "--dtype", "float32", "--max-kv-tokens", "1024",
                              "--block-size", "4", *extra], stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError(f"the server did not start: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.3)
+    try:
+        wait_healthy(url, proc)
+    except AssertionError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, url
+
+
+def _stream_then(url: str, body: dict, act) -> tuple[list[str], list[dict], float]:
+    """Stream a completion; once its first chunk arrived, ``act()``; read the rest. Returns the ``data:`` lines after
+    the first chunk, the errors they carry, and when ``act`` ran."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        act()
+        t_act = time.time()
+        events = [line for line in lines if line.startswith("data: ")]
+    errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {") and "error" in e]
+    return events, errors, t_act
 
 
 def _engine_pid(proc: subprocess.Popen) -> int:
@@ -158,17 +162,8 @@ def _engine_pid(proc: subprocess.Popen) -> int:
 def test_engine_process_killed_mid_generation_gives_503_and_the_server_exits(tiny):
     proc, url = _start_server(tiny)
     try:
-        body = {"model": "tiny", "prompt": "the year", "max_tokens": 100000, "ignore_eos": True, "stream": True}
-        events = []
-        with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, max_tokens=900), timeout=60) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    break
-            os.kill(_engine_pid(proc), signal.SIGKILL)
-            t_kill = time.time()
-            events = [line for line in lines if line.startswith("data: ")]
-        errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {") and "error" in e]
+        body = {"model": "tiny", "prompt": "the year", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        events, errors, t_kill = _stream_then(url, body, lambda: os.kill(_engine_pid(proc), signal.SIGKILL))
         assert errors and "engine process exited" in errors[0]["message"], events[-3:]
         assert events[-1] == "data: [DONE]"
         try:
@@ -204,15 +199,7 @@ def test_a_tensor_parallel_worker_killed_mid_generation_gives_503_and_the_server
         workers = _tp_workers(proc)
         assert len(workers) == 1  # rank 1 (rank 0 is the engine process)
         body = {"model": "tiny", "prompt": "the year", "max_tokens": 900, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    break
-            workers[0].kill()
-            t_kill = time.time()
-            events = [line for line in lines if line.startswith("data: ")]
-        errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {") and "error" in e]
+        events, errors, t_kill = _stream_then(url, body, workers[0].kill)
         assert errors and errors[0]["type"] and "rank 1" in errors[0]["message"], events[-3:]
         proc.wait(30)
         assert time.time() - t_kill < 30 and proc.returncode != 0
@@ -249,14 +236,8 @@ def test_ctrl_c_ends_open_streams_with_their_error_event_and_exits_cleanly(tmp_p
     try:
         engine = psutil.Process(_engine_pid(proc))
         body = {"model": "long", "prompt": "the year", "max_tokens": 39000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    break
-            os.killpg(proc.pid, signal.SIGINT)  # Ctrl+C reaches the whole process group
-            events = [line for line in lines if line.startswith("data: ")]
-        errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {") and "error" in e]
+        # Ctrl+C reaches the whole process group
+        events, errors, _ = _stream_then(url, body, lambda: os.killpg(proc.pid, signal.SIGINT))
         assert errors and "shutting down" in errors[0]["message"] and events[-1] == "data: [DONE]", events[-3:]
         proc.wait(30)
         err = proc.stderr.read()

@@ -32,7 +32,7 @@ from turbo.errors import Conflict, InvalidRequest, NotFound
 from turbo.serve.router import Router, create_router_app, rendezvous, replica_url
 from turbo.serve.sessions import SessionRegistry, new_session_id, session_id_problem
 
-from conftest import serve_in_thread
+from conftest import free_port, serve_in_thread, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 TURNS = ["the of and", "to in a", "is that for", "it with was"]
@@ -181,12 +181,6 @@ def test_a_session_saved_longer_ago_than_the_idle_timeout_is_not_loaded(tiny, tm
 
 # --- end to end: two replica processes, the router, a SIGKILL --------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def replicas(tiny, tmp_path_factory):
     """Two `liteturbo serve` processes (own process groups) on one session dir: ``[(url, Popen), ...]``."""
@@ -194,23 +188,15 @@ def replicas(tiny, tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", LITETURBO_THREADS="1")
     procs = []
     for _ in range(2):
-        port = _free_port()
+        port = free_port()
         p = subprocess.Popen([sys.executable, "-m", "turbo.cli", "serve", str(tiny), "--port", str(port),
                               "--dtype", "float32", "--session-dir", str(sdir), "--log-level", "warning"],
                              cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
         procs.append((f"http://127.0.0.1:{port}", p))
     try:
-        deadline = time.time() + 120
         for url, p in procs:
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert p.poll() is None and time.time() < deadline, f"{url} did not start: {p.stderr.read()[-3000:]}"
-                time.sleep(0.2)
+            wait_healthy(url, p)
         yield procs
     finally:
         for _, p in procs:
@@ -276,7 +262,6 @@ def test_sessions_stick_fail_over_on_a_kill_and_answer_as_without_it(tiny, repli
     urls = [u for u, _ in replicas]
     app = create_router_app(urls, api_keys="", health_interval=0.2)
     rurl, stop = serve_in_thread(app)
-    router = app.state.router
     try:
         with httpx.Client(base_url=rurl, timeout=120) as http:
             made = [http.post("/v1/sessions", json={"system": "sys"}) for _ in range(4)]
