@@ -1,6 +1,7 @@
 """Configs of the engine and of one generation request, validated on construction."""
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -303,8 +304,15 @@ class GenerationConfig:
     presence_penalty / frequency_penalty (in [-2, 2], 0 = off): see :mod:`turbo.core.sampler`. min_new_tokens: EOS
     and stop ids are masked until this many tokens exist. logprobs: also return the top-n log-probabilities per
     token. logit_bias: ``{token id: bias}`` added to those tokens' logits before sampling (with the penalties,
-    so logprobs see it), each in [-100, 100] (OpenAI's ``logit_bias``; -100 bans a token in practice). Raises
-    ``LiteturboError`` naming the option for a wrong type or a value out of range.
+    so logprobs see it), each in [-100, 100] (OpenAI's ``logit_bias``; -100 bans a token in practice).
+
+    Constrained decoding (at most one; compiled by llguidance when the request is added, see
+    :mod:`turbo.core.guided`): json_schema: a JSON schema (a dict, ``True``, or its JSON text) the reply must
+    match (``{"type": "object"}``: any JSON object, OpenAI's JSON mode); regex: a regular expression the whole
+    reply matches; choice: the reply is exactly one of these strings; grammar: a Lark grammar in llguidance's
+    dialect. The grammar decides where a constrained reply ends (``min_new_tokens`` does not delay it); one
+    unfinished at ``max_new_tokens`` ends with ``length``; logprobs are those of the constrained distribution.
+    Raises ``LiteturboError`` naming the option for a wrong type or a value out of range.
     """
 
     max_new_tokens: int = _sampling_default("max_new_tokens")
@@ -322,8 +330,13 @@ class GenerationConfig:
     frequency_penalty: float = _sampling_default("frequency_penalty")
     min_new_tokens: int = _sampling_default("min_new_tokens")
     logprobs: int = _sampling_default("logprobs")
+    json_schema: dict | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_constraint()
         for f in SAMPLING_FIELDS:  # every type before any range
             if f.kind in LIST_KINDS:
                 setattr(self, f.keyword, _listed(f, getattr(self, f.keyword)))
@@ -340,6 +353,33 @@ class GenerationConfig:
             hi = getattr(self, f.hi) if isinstance(f.hi, str) else None
             if not _in_range(f, v, hi):
                 raise LiteturboError(f"{f.keyword} must be {bound_text(f.lo, f.hi, f.lo_open, f.hi_open)}, got {v}")
+
+
+    def _check_constraint(self) -> None:
+        given = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise LiteturboError(f"give one constraint, not {' and '.join(given)}")
+        if isinstance(self.json_schema, str):
+            try:
+                self.json_schema = json.loads(self.json_schema)
+            except ValueError as e:
+                raise LiteturboError(f"json_schema is not valid JSON ({e}); give a JSON schema object") from None
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
+            raise LiteturboError(f"json_schema must be a JSON schema (an object), got {self.json_schema!r}")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise LiteturboError(f"{k} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise LiteturboError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the reply is constrained (json_schema, regex, choice or grammar)."""
+        return any(getattr(self, k) is not None for k in ("json_schema", "regex", "choice", "grammar"))
 
 
 def generation_config(gen: GenerationConfig | None, kwargs: dict) -> GenerationConfig:

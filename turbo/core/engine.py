@@ -31,6 +31,7 @@ from ..config import EngineConfig, GenerationConfig
 from ..errors import EngineDead
 from . import inputs
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .guided import Guide, MaskJob
 from .request import GenerationOutput, Request, step_input
 from .sampler import RowSampling, SamplingError, sample_batch
 from .scheduler import ScheduledStep, Sequence
@@ -82,6 +83,7 @@ class EngineCore:
         bad = [t for t in gen.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise LiteturboError(f"stop_token_ids {bad[:3]} are outside the vocabulary (size {self.vocab_size})")
+        guide = Guide(gen, self.tokenizer, self.vocab_size) if gen.constrained else None  # InvalidRequest if bad
         with self.lock:
             ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self.check_prompt(ids, session=seq is not None)
@@ -100,7 +102,8 @@ class EngineCore:
                 rng.manual_seed(gen.seed if gen.seed is not None else int(torch.seed() % (2**63)))
             stop_ids = set(gen.stop_token_ids) | (set() if gen.ignore_eos else self.eos_token_ids)
             req = Request(seq=seq, gen=gen, prompt_len=len(ids), stop_ids=stop_ids,
-                          detok=IncrementalDetokenizer(self.tokenizer), stopper=StopStringMatcher(gen.stop), rng=rng)
+                          detok=IncrementalDetokenizer(self.tokenizer), stopper=StopStringMatcher(gen.stop), rng=rng,
+                          guide=guide)
             self.requests[seq.seq_id] = req
             self.scheduler.add(seq)
             return req
@@ -152,9 +155,11 @@ class EngineCore:
             try:
                 self._note_cache_hits(sched)
                 self.thread_control.begin_step(len(sched.seqs), sched.total_tokens)
+                masks = self._start_masks(sched)  # constraints' masks on a CPU thread while the forward runs
                 logits = self.runner.run(step_input(sched.seqs, sched.num_new_tokens, self.block_manager))
                 ready = self.scheduler.update_from_output(sched)
-                touched = self._emit_tokens(logits, [(row, self.requests[sched.seqs[row].seq_id]) for row in ready])
+                touched = self._emit_tokens(logits, [(row, self.requests[sched.seqs[row].seq_id]) for row in ready],
+                                            masks.result() if masks is not None else {})
             except BaseException as e:
                 self._fail(sched, e)
                 raise
@@ -197,9 +202,17 @@ class EngineCore:
             if req.cached_tokens < 0:  # first step of the request: what the prefix cache (or a session) held
                 req.cached_tokens = seq.num_computed
 
-    def _emit_tokens(self, logits: torch.Tensor, ready: list[tuple[int, Request]]) -> list[Request]:
+    def _start_masks(self, sched: ScheduledStep) -> MaskJob | None:
+        """The allowed-token masks of the step's constrained rows that will sample, started on a worker thread."""
+        guides = [self.requests[seq.seq_id].guide if seq.num_computed + n >= seq.num_tokens else None
+                  for seq, n in zip(sched.seqs, sched.num_new_tokens)]
+        return MaskJob(guides, self.vocab_size) if any(g is not None for g in guides) else None
+
+    def _emit_tokens(self, logits: torch.Tensor, ready: list[tuple[int, Request]],
+                     masks: dict[int, torch.Tensor]) -> list[Request]:
         """Sample a token for each (logits row, request) in one batched draw on the logits' device (one host
-        synchronization) and append it; a request whose sampling fails alone ends with its error."""
+        synchronization) and append it; a request whose sampling fails alone ends with its error. ``masks``: logits
+        row -> the tokens its constraint allows."""
         for _, req in ready:
             if not req.output_ids:
                 self.counters["prefill_tokens"] += req.prompt_len - req.cached_tokens
@@ -211,7 +224,8 @@ class EngineCore:
         opts = [RowSampling.of(
             req.gen, generator=req.rng, output_ids=req.output_ids,
             prompt_ids=req.seq.token_ids[:req.prompt_len] if req.gen.repetition_penalty != 1.0 else (),
-            banned_ids=req.stop_ids if len(req.output_ids) < req.gen.min_new_tokens else ()) for _, req in ready]
+            banned_ids=req.stop_ids if len(req.output_ids) < req.gen.min_new_tokens and req.guide is None else (),
+            allowed=masks.get(row)) for row, req in ready]
         try:
             picks = sample_batch(logits, opts, [row for row, _ in ready])
         except Exception:  # some request's sampling failed: find it by sampling each row alone

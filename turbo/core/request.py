@@ -12,6 +12,7 @@ import torch
 
 from ..config import GenerationConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .guided import Guide
 from .scheduler import Sequence
 
 
@@ -72,6 +73,7 @@ class Request:
     stopper: StopStringMatcher
     rng: torch.Generator | None
     keep_cache: bool = False
+    guide: Guide | None = None  # the request's constraint (turbo.core.guided), None when free
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
@@ -102,18 +104,21 @@ class Request:
 
     def append_token(self, tok: int, logprobs: list[tuple[int, float]] | None, session_len: int) -> str | None:
         """Append the sampled ``tok`` (and its top log-probabilities) and release its text; returns the finish
-        reason when the request stops here (``stop``: a stop id or stop string; ``length``: max_new_tokens or
-        ``session_len`` tokens in the sequence), else ``None``."""
+        reason when the request stops here (``stop``: a stop id, a stop string, or a constraint that is complete and
+        takes no more tokens; ``length``: max_new_tokens or ``session_len`` tokens in the sequence), else ``None``.
+        Raises ``InvalidRequest`` when the request's constraint refuses ``tok``."""
         if logprobs is not None:
             self.logprobs.append(logprobs)
         if self.t_first is None:
             self.t_first = time.perf_counter()
         self.output_ids.append(tok)
         self.seq.token_ids.append(tok)
+        if self.guide is not None:
+            self.guide.consume(tok)
         if tok in self.stop_ids:
             return "stop"
         self.release(self.stopper.feed(self.detok.add(tok)))
-        if self.stopper.stopped:
+        if self.stopper.stopped or (self.guide is not None and self.guide.stopped):
             return "stop"
         if len(self.output_ids) >= self.gen.max_new_tokens or self.seq.num_tokens >= session_len:
             return "length"

@@ -3,7 +3,8 @@
 Per row, in this order (as vLLM/transformers apply them): repetition penalty (Keskar et al. 2019, CTRL: divide
 positive logits / multiply negative ones of tokens seen in prompt and output), presence and frequency penalties
 (OpenAI API semantics, on generated tokens), logit bias (OpenAI's ``logit_bias``: added), banned ids masked to
--inf (the engine's min_new_tokens: stop ids),
+-inf (the engine's min_new_tokens: stop ids), the tokens a constraint does not allow masked to -inf (``allowed``: a
+grammar's mask, :mod:`turbo.core.guided`),
 the top log-probabilities of these logits when the row asks for them; then greedy (temperature 0: argmax) or
 temperature → top-k → top-p (Holtzman et al. 2020) → min-p → a draw.
 
@@ -35,7 +36,8 @@ class RowSampling:
 
     ``prompt_ids`` only matter with a repetition penalty, ``output_ids`` with any penalty; ``banned_ids`` are
     masked to -inf before everything else (the engine passes the stop ids until min_new_tokens exist).
-    ``logprobs``: also return the top-n log-probabilities. ``generator`` draws this row's random numbers; it
+    ``logprobs``: also return the top-n log-probabilities. ``allowed``: bool ``[vocab]`` (CPU or the logits'
+    device), the tokens a constraint allows (``None``: all). ``generator`` draws this row's random numbers; it
     must live on the logits' device (``None``: torch's default generator of that device)."""
 
     temperature: float = 0.0
@@ -51,6 +53,7 @@ class RowSampling:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: int = 0
     generator: torch.Generator | None = None
+    allowed: torch.Tensor | None = None
 
     @classmethod
     def of(cls, gen, **kwargs) -> "RowSampling":
@@ -65,7 +68,7 @@ class RowSampling:
         """Whether the row's logits change before the draw (penalties or banned ids)."""
         return bool(self.repetition_penalty != 1.0 or (self.output_ids and (self.presence_penalty
                                                                             or self.frequency_penalty))
-                    or self.banned_ids or self.logit_bias)
+                    or self.banned_ids or self.logit_bias or self.allowed is not None)
 
 
 @dataclass
@@ -119,6 +122,14 @@ def _penalise_(x: torch.Tensor, rows: Sequence[RowSampling]) -> None:
     if ban_r:
         idx = torch.tensor([ban_r, ban_c], dtype=torch.long).to(dev)
         x[idx[0], idx[1]] = _NEG_INF
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if masked:  # a constraint's mask: everything it does not allow is -inf
+        allowed = torch.stack([rows[i].allowed for i in masked]).to(dev, non_blocking=True)
+        if len(masked) == len(rows):
+            x.masked_fill_(~allowed, _NEG_INF)
+        else:
+            sel = torch.tensor(masked, dtype=torch.long).to(dev)
+            x[sel] = x.index_select(0, sel).masked_fill_(~allowed, _NEG_INF)
 
 
 def _top_logprobs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,165 @@
+"""Constrained (guided) decoding: a request's grammar compiled by llguidance, and its token masks per step.
+
+A request with one of :class:`~turbo.config.GenerationConfig`'s constraints (``json_schema``, ``regex``, ``choice``,
+``grammar``) gets a :class:`Guide`: an ``llguidance.LLMatcher`` over the model's tokenizer. Each step the engine asks
+every guided request that will sample for its mask of allowed next tokens (:class:`MaskJob`, computed on a CPU
+thread while the model's forward runs: llguidance releases the GIL), the batched sampler puts ``-inf`` on the
+disallowed tokens of that row (:mod:`turbo.core.sampler`), and the sampled token is fed back
+(:meth:`Guide.consume`). End-of-sequence is allowed only where the grammar accepts; when the grammar can take no
+more tokens (:attr:`Guide.stopped`) the request ends with ``stop``. A constraint that is unfinished when
+``max_new_tokens`` runs out ends with ``length``, never ``stop``.
+
+The grammar dialects are llguidance's: JSON schema (with its ``x-guidance`` options; by default here no free
+whitespace, separators ``", "`` and ``": "``: a small model given free whitespace can spend its tokens on newlines;
+a schema's own ``x-guidance`` object overrides this), regex (Rust ``regex`` syntax, anchored at both ends), Lark (llguidance's
+dialect, with ``%json{...}`` for inline schemas) and a choice (a list of exact strings). Masks are bitmasks:
+int32 ``[ceil(vocab / 32)]`` per row, bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed
+(llguidance's layout). Source: https://github.com/guidance-ai/llguidance.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..errors import InvalidRequest
+
+GUIDED_KEYS = ("json_schema", "regex", "choice", "grammar")  # GenerationConfig's constraint fields, at most one
+
+_TOKENIZERS: dict[int, object] = {}
+_LOCK = threading.Lock()
+
+
+def ll_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's view of a Hugging Face ``tokenizer`` (token bytes, EOS) over ``vocab_size`` ids (the model's
+    vocabulary: ids past the tokenizer's table are never allowed). Built once per tokenizer (~0.3 s for a 49k
+    vocabulary). Raises ``InvalidRequest`` when llguidance cannot read the tokenizer."""
+    key = id(tokenizer)
+    with _LOCK:
+        got = _TOKENIZERS.get(key)
+        if got is None or got[0] is not tokenizer:
+            import llguidance.hf
+            try:
+                lt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+            except Exception as e:  # noqa: BLE001 - any reason it cannot: the request is refused, the engine lives
+                raise InvalidRequest(f"constrained decoding needs a tokenizer llguidance can read; this one "
+                                     f"({type(tokenizer).__name__}) fails: {e}") from None
+            got = _TOKENIZERS[key] = (tokenizer, lt)
+        return got[1]
+
+
+def grammar_text(gen) -> tuple[str, str] | None:
+    """``(llguidance grammar, what it is in words)`` for ``gen``'s constraint, ``None`` when it has none. The
+    fields were type-checked by ``GenerationConfig``."""
+    import llguidance
+    if gen.json_schema is not None:
+        schema = {} if gen.json_schema is True else gen.json_schema
+        if isinstance(schema, dict) and "x-guidance" not in schema:  # no free whitespace: small models loop in it
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema), "json_schema"
+    if gen.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(gen.regex), "regex"
+    if gen.choice is not None:  # one Lark rule of the exact strings (JSON escapes are Lark's string escapes)
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in gen.choice)), \
+            "choice"
+    if gen.grammar is not None:
+        return llguidance.LLMatcher.grammar_from_lark(gen.grammar), "grammar"
+    return None
+
+
+def check_grammar(gen) -> None:
+    """Raise ``InvalidRequest`` naming the field and llguidance's reason when ``gen``'s constraint does not compile
+    (needs no tokenizer). Nothing to do without a constraint."""
+    import llguidance
+    try:
+        got = grammar_text(gen)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise InvalidRequest(f"the constraint does not compile: {e}") from None
+    if got is None:
+        return
+    grammar, field = got
+    err = llguidance.LLMatcher.validate_grammar(grammar)
+    if err:
+        raise InvalidRequest(f"{field} cannot be used for constrained decoding: {err.strip()}")
+
+
+class Guide:
+    """One request's constraint state over the tokenizer (see the module docstring). Raises ``InvalidRequest``
+    from the constructor for a constraint that does not compile."""
+
+    def __init__(self, gen, tokenizer, vocab_size: int) -> None:
+        import llguidance
+        check_grammar(gen)
+        grammar, self.field = grammar_text(gen)
+        self.vocab_size = vocab_size
+        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar)
+        if self.matcher.is_error():
+            raise InvalidRequest(f"{self.field} cannot be used for constrained decoding: {self.matcher.get_error()}")
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-token bitmask of the next token into int32 ``bitmask[row]`` (contiguous, on the CPU)."""
+        self.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), bitmask.shape[1] * 4)
+
+    def consume(self, token_id: int) -> None:
+        """Advance over the sampled ``token_id``. Raises ``InvalidRequest`` when the grammar refuses it (a token the
+        mask did not allow: a bug, or a mask skipped)."""
+        if self.matcher.is_stopped():
+            return
+        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
+            raise InvalidRequest(f"the {self.field} constraint refused token {token_id}: "
+                                 f"{self.matcher.get_error() or 'not allowed here'}")
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the grammar can take no more tokens (the reply is complete)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the text so far is a complete match (the reply may end here)."""
+        return self.matcher.is_accepting()
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row's bitmask."""
+    return (vocab_size + 31) // 32
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool ``[rows, vocab_size]``: which tokens int32 ``bitmask [rows, words]`` allows."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+class MaskJob:
+    """The masks of one step's guided rows, computed on a worker thread (started before the forward, read after).
+
+    ``guides``: the :class:`Guide` of each row that will sample (``None``: unconstrained). :meth:`result` returns
+    ``{index: bool mask [vocab]}`` for the guided rows, or raises what the computation raised."""
+
+    _pool: ThreadPoolExecutor | None = None
+
+    def __init__(self, guides: list[Guide | None], vocab_size: int) -> None:
+        self.index = [i for i, g in enumerate(guides) if g is not None]
+        self.future: Future | None = None
+        if self.index:
+            if MaskJob._pool is None:
+                MaskJob._pool = ThreadPoolExecutor(1, thread_name_prefix="liteturbo-mask")
+            todo = [guides[i] for i in self.index]
+            self.future = MaskJob._pool.submit(self._compute, todo, vocab_size)
+
+    @staticmethod
+    def _compute(guides: list[Guide], vocab_size: int) -> torch.Tensor:
+        bm = torch.zeros((len(guides), bitmask_words(vocab_size)), dtype=torch.int32)
+        for r, g in enumerate(guides):
+            g.fill(bm, r)
+        return unpack_bitmask(bm, vocab_size)
+
+    def result(self) -> dict[int, torch.Tensor]:
+        if self.future is None:
+            return {}
+        masks = self.future.result()
+        return {i: masks[r] for r, i in enumerate(self.index)}
