@@ -58,7 +58,8 @@ class EngineCore:
         self.lock = threading.RLock()
         self._ids = itertools.count()
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "last_prefill_tokens": 0,
-                         "generated_tokens": 0, "busy_seconds": 0.0}
+                         "generated_tokens": 0, "busy_seconds": 0.0,
+                         "mask_rows": 0, "mask_seconds": 0.0, "mask_wait_seconds": 0.0}
 
     # --- requests --------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], gen: GenerationConfig | None = None, priority: int = 0,
@@ -89,6 +90,7 @@ class EngineCore:
             self.check_prompt(ids, session=seq is not None)
             if seq is None:
                 seq = self.new_sequence(priority)
+                seq.after = self._prefilling(ids)
             else:
                 seq.priority = priority
                 common, limit = 0, min(seq.num_computed, len(ids) - 1)
@@ -107,6 +109,18 @@ class EngineCore:
             self.requests[seq.seq_id] = req
             self.scheduler.add(seq)
             return req
+
+    def _prefilling(self, ids: list[int]) -> Sequence | None:
+        """A sequence still computing exactly the prompt ``ids`` (so a new request for it waits and then reuses its
+        KV blocks from the prefix cache: the ``n`` choices of one request share the prompt's prefill), else
+        ``None``. Only with prefix caching, and for prompts of at least one full block."""
+        if not self.config.enable_prefix_caching or len(ids) <= self.block_manager.block_size:
+            return None
+        for req in self.requests.values():
+            s = req.seq
+            if s.num_computed < req.prompt_len and req.prompt_len == len(ids) and s.token_ids[:req.prompt_len] == ids:
+                return s
+        return None
 
     def cancel(self, req: Request) -> None:
         """Stop a request now and free its blocks (a session keeps its computed tokens while memory allows).
@@ -158,12 +172,17 @@ class EngineCore:
                 masks = self._start_masks(sched)  # constraints' masks on a CPU thread while the forward runs
                 logits = self.runner.run(step_input(sched.seqs, sched.num_new_tokens, self.block_manager))
                 ready = self.scheduler.update_from_output(sched)
+                allowed = {} if masks is None else masks.result()
                 touched = self._emit_tokens(logits, [(row, self.requests[sched.seqs[row].seq_id]) for row in ready],
-                                            masks.result() if masks is not None else {})
+                                            allowed)
             except BaseException as e:
                 self._fail(sched, e)
                 raise
             self.thread_control.end_step()
+            if masks is not None:
+                self.counters["mask_rows"] += len(allowed)
+                self.counters["mask_seconds"] += masks.compute_s
+                self.counters["mask_wait_seconds"] += masks.wait_s
             self.counters["steps"] += 1
             self.counters["busy_seconds"] += time.perf_counter() - t0
             return touched
@@ -173,7 +192,7 @@ class EngineCore:
         owner, not to whoever stepped)."""
         if not self.scheduler.waiting:
             return
-        seq = self.scheduler.waiting[0]
+        seq = next((s for s in self.scheduler.waiting if not s.held), self.scheduler.waiting[0])
         req = self.requests.get(seq.seq_id)
         if req is not None:
             req.error = LiteturboError(f"the KV cache ({self.block_manager.num_blocks} blocks of "
@@ -358,7 +377,9 @@ class EngineCore:
 
     # --- info ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters: running/waiting requests, tokens prefilled/decoded, prefix-cache hits, blocks, tokens/s, and the
+        """Counters: running/waiting requests, tokens prefilled/decoded, prefix-cache hits, blocks, tokens/s;
+        constrained decoding's ``mask_rows`` (masks computed), ``mask_seconds`` (their CPU time, on a worker thread
+        beside the forward) and ``mask_wait_seconds`` (what the steps waited for them); and the
         KV pool: ``kv_cache_dtype``, ``kv_calibrated``, ``kv_bytes_per_token`` (all layers, K and V, scales
         included), ``kv_pool_tokens`` (tokens the pool holds), ``kv_cache_bytes``; ``tensor_parallel_size`` (the
         KV figures are then rank 0's, each rank holding its KV heads)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -138,28 +139,35 @@ class MaskJob:
     """The masks of one step's guided rows, computed on a worker thread (started before the forward, read after).
 
     ``guides``: the :class:`Guide` of each row that will sample (``None``: unconstrained). :meth:`result` returns
-    ``{index: bool mask [vocab]}`` for the guided rows, or raises what the computation raised."""
+    ``{index: bool mask [vocab]}`` for the guided rows, or raises what the computation raised; then
+    ``compute_s`` is the seconds the masks took on the worker and ``wait_s`` the seconds :meth:`result` waited for
+    them (the part the forward did not hide)."""
 
     _pool: ThreadPoolExecutor | None = None
 
     def __init__(self, guides: list[Guide | None], vocab_size: int) -> None:
         self.index = [i for i, g in enumerate(guides) if g is not None]
         self.future: Future | None = None
+        self.compute_s = self.wait_s = 0.0
         if self.index:
             if MaskJob._pool is None:
                 MaskJob._pool = ThreadPoolExecutor(1, thread_name_prefix="liteturbo-mask")
             todo = [guides[i] for i in self.index]
             self.future = MaskJob._pool.submit(self._compute, todo, vocab_size)
 
-    @staticmethod
-    def _compute(guides: list[Guide], vocab_size: int) -> torch.Tensor:
+    def _compute(self, guides: list[Guide], vocab_size: int) -> torch.Tensor:
+        t0 = time.perf_counter()
         bm = torch.zeros((len(guides), bitmask_words(vocab_size)), dtype=torch.int32)
         for r, g in enumerate(guides):
             g.fill(bm, r)
-        return unpack_bitmask(bm, vocab_size)
+        out = unpack_bitmask(bm, vocab_size)
+        self.compute_s = time.perf_counter() - t0
+        return out
 
     def result(self) -> dict[int, torch.Tensor]:
         if self.future is None:
             return {}
+        t0 = time.perf_counter()
         masks = self.future.result()
+        self.wait_s = time.perf_counter() - t0
         return {i: masks[r] for r, i in enumerate(self.index)}

@@ -9,7 +9,9 @@ Prefill, chunked prefill and decode are one thing: bring ``num_computed`` up to 
    it goes back to the waiting queue keeping its tokens, to be recomputed later (its output is unchanged).
 2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order while the batch
    size, the token budget and free blocks allow; a long prompt is split into chunks across steps. An
-   admitted sequence first takes the cached blocks of its longest cached prefix.
+   admitted sequence first takes the cached blocks of its longest cached prefix. A sequence whose prompt another
+   one is computing (``Sequence.after``: the engine sets it for identical prompts, e.g. the ``n`` choices of one
+   request) waits until that prompt is computed, then takes its blocks from the prefix cache.
 3. After the runner computed the step, :meth:`Scheduler.update_from_output` advances the computed tokens, offers
    full blocks to the prefix cache and says which sequences get a sampled token.
 """
@@ -47,6 +49,17 @@ class Sequence:
     status: Status = Status.WAITING
     arrival: int = field(default_factory=lambda: next(_arrivals))
     num_preemptions: int = 0
+    # an identical prompt being prefilled: this one waits for it, then reuses its blocks from the prefix cache
+    after: "Sequence | None" = field(default=None, compare=False, repr=False)
+
+    @property
+    def held(self) -> bool:
+        """Whether this sequence waits for ``after`` to compute the prompt they share (see ``after``)."""
+        a = self.after
+        if a is None or a.status not in (Status.WAITING, Status.RUNNING) or a.num_computed >= self.num_tokens - 1:
+            self.after = None
+            return False
+        return True
 
     @property
     def num_tokens(self) -> int:
@@ -177,7 +190,9 @@ class Scheduler:
         if not did_preempt:
             self.waiting.sort(key=lambda s: s.sort_key)
             while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-                seq = self.waiting[0]
+                seq = next((s for s in self.waiting if not s.held), None)
+                if seq is None:
+                    break
                 if not seq.block_table:
                     seq.num_computed = self.bm.match_prefix(seq.token_ids, seq.block_table)
                 n = min(seq.num_tokens - seq.num_computed, budget)
@@ -193,7 +208,7 @@ class Scheduler:
                     self.evict(victim)
                     continue
                 self.bm.ensure_capacity(seq.block_table, seq.num_computed + n)
-                self.waiting.pop(0)
+                self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 seqs.append(seq)
