@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from turbo import Engine, EngineConfig, GenerationConfig
 from turbo.cli import main
 from turbo.serve.app import create_app
-from turbo.serve.responses import UNLIKELY_LOGPROB
+from turbo.serve.logprobs import UNLIKELY_LOGPROB
 
 from conftest import serve_in_thread
 
@@ -211,8 +211,13 @@ def test_bad_requests_get_400_naming_the_field(app, http):
         (dict(top_p=0), "top_p", "(0, 1]"), (dict(top_p=1.5), "top_p", "(0, 1]"),
         (dict(stream="yes"), "stream", "true or false"),
         (dict(stop=[""]), "stop", "non-empty"), (dict(seed=-1), "seed", ">= 0"),
-        (dict(n=2), "n", "only n=1"), (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "tool"),
+        (dict(n=65), "n", "[1, 64]"), (dict(tools=[{"type": "function", "function": {"name": "f b"}}]), "tools", "letters"),
         (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format", "json_schema"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}), None,
+         "json_schema cannot be used"),
+        (dict(guided_regex="(ab"), None, "regex"), (dict(guided_choice=[]), "guided_choice", "non-empty list"),
+        (dict(guided_regex="a", response_format={"type": "json_object"}), "guided_regex", "one structured-output"),
+        (dict(tool_choice="required"), "tool_choice", "tools"),
         (dict(logit_bias={"42": 500}), None, "token 42 has 500"), (dict(frobnicate=1), "frobnicate", "unrecognized"),
         (dict(top_logprobs=2), "top_logprobs", "logprobs"), (dict(stream_options={"include_usage": True}),
                                                                "stream_options", "stream"),

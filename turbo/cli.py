@@ -209,10 +209,13 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
 @click.option("--engine-process/--no-engine-process", default=True, show_default=True,
               help="Run the engine core in a process of its own (the HTTP front never waits for a step), or in "
                    "the server's process.")
+@click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3_json", "mistral"]), default=None,
+              help="The format the model writes tool calls in (default: the one its chat template writes, else "
+                   "hermes, which the fallback tool prompt asks for).")
 @_device_options
 @_kv_options
 @friendly_errors
-def serve(model, host, port, model_name, api_keys, batch_invariant, engine_process, dtype, max_batch_size, max_num_batched_tokens,
+def serve(model, host, port, model_name, api_keys, batch_invariant, engine_process, tool_call_parser, dtype, max_batch_size, max_num_batched_tokens,
           block_size, session_len, max_kv_tokens, kv_cache_gib, cache_max_entry_count, max_request_bytes, log_level,
           session_dir, max_sessions, session_idle_timeout, device_opts, kv_cache_dtype, quant_policy,
           no_kv_calibration) -> None:
@@ -228,7 +231,8 @@ def serve(model, host, port, model_name, api_keys, batch_invariant, engine_proce
                              f"{session_idle_timeout}")
     run(model, host=host, port=port, model_name=model_name, api_keys=api_keys or "",
         max_request_bytes=max_request_bytes, log_level=log_level, session_dir=session_dir, max_sessions=max_sessions,
-        session_idle_timeout=session_idle_timeout, engine_process=engine_process, dtype=dtype, **device_opts,
+        session_idle_timeout=session_idle_timeout, engine_process=engine_process, tool_call_parser=tool_call_parser,
+        dtype=dtype, **device_opts,
         batch_invariant=batch_invariant,
         max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
         session_len=session_len, max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,

@@ -172,6 +172,23 @@ class EngineLoop:
             req = self.engine.add_request(prompt, gen or GenerationConfig(), priority=priority)
             return self._register(RequestHandle(self, req, sink=sink))
 
+    def submit_many(self, prompt: str | list[int], gens: list[GenerationConfig], priority: int = 0,
+                    sink=None) -> list[RequestHandle]:
+        """Queue one prompt once per config in ``gens`` (a request's ``n`` choices), all before the next step, so they
+        are batched the same way every time; raises as :meth:`submit` (then none is queued)."""
+        self._check_capacity()
+        handles: list[RequestHandle] = []
+        with self.engine.lock, _typed():
+            try:
+                for gen in gens:
+                    req = self.engine.add_request(prompt, gen, priority=priority)
+                    handles.append(self._register(RequestHandle(self, req, sink=sink)))
+            except BaseException:
+                for h in handles:
+                    h.cancel()
+                raise
+            return handles
+
     def submit_chat(self, session: Session, message: str, gen: GenerationConfig | None = None,
                     priority: int = 0, on_end=None, sink=None) -> RequestHandle:
         """Queue the next turn of ``session``; its history is updated when the turn ends (also when cancelled or

@@ -35,7 +35,6 @@ as one ``data: {"error": ...}`` event before ``data: [DONE]``.
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import os
 import socket
@@ -56,16 +55,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lite.formats import LiteturboError, make_dirs
 
 from ..config import GenerationConfig
-from ..engine import Engine, GenerationOutput
+from ..engine import Engine
+from ..core.inputs import encode
 from ..errors import NotFound
-from ..loop import EngineLoop, RequestHandle
+from ..loop import EngineLoop
 from . import protocol
 from .engine_client import InprocClient
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import MAX_LOGPROBS, gen_config, is_int, read_json
-from .responses import APIError, Job, Logprobs, Tokens, cancelled_error, engine_error, event_stream, reply_body, usage
+from .answer import respond, submit_choices
+from .logprobs import Logprobs, Tokens
+from .responses import APIError, Job, engine_error, usage
 from .mp_client import MPClient
 from .sessions import SessionRegistry
+from .tools import ToolParser, ToolRequest, call_grammar, choose_parser, render_prompt
 
 API_KEYS_ENV = "LITETURBO_API_KEYS"
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 23333
@@ -89,6 +92,7 @@ class Served:
     started: int = field(default_factory=lambda: int(time.time()))
     session_meta: dict[str, tuple[dict, int]] = field(default_factory=dict)
     persist: bool = False  # save sessions under the session dir after every turn
+    tool_parser: ToolParser | None = None  # the model's tool-call format (turbo/serve/tools.py)
 
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "liteturbo",
@@ -97,6 +101,25 @@ class Served:
     def gen(self, *layers: dict) -> GenerationConfig:
         """A request's :class:`~turbo.config.GenerationConfig` (400 when the layers do not fit)."""
         return gen_config(self.client.session_len, *layers)
+
+    def chat_ids(self, messages: list[dict], tool_req: ToolRequest | None) -> list[int]:
+        """Token ids of a conversation ready for the reply: the chat template (with the tools, or the fallback
+        rendering of :mod:`turbo.serve.tools` for a template without tool support)."""
+        if tool_req is None and not any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            return self.client.chat_template_ids(messages)
+        return encode(self.client.tokenizer, render_prompt(self.client.tokenizer, messages, tool_req),
+                      add_special_tokens=False)
+
+    def tool_constraint(self, tool_req: ToolRequest | None, sampling: dict) -> dict:
+        """The grammar that forces a call (``tool_choice`` "required" or a named function), as keywords; 400 when
+        the request also gives a structured-output constraint."""
+        grammar = call_grammar(tool_req, self.tool_parser.name, self.client.tokenizer) if tool_req else None
+        if grammar is None:
+            return {}
+        if any(sampling.get(k) is not None for k in ("json_schema", "regex", "choice", "grammar")):
+            raise APIError(400, "tool_choice \"required\" or a named function already constrains the reply; leave "
+                                "out response_format / guided_* or use tool_choice \"auto\"", param="tool_choice")
+        return {"grammar": grammar}
 
     def defaults(self, sid: str, stored: dict) -> tuple[dict, int | None]:
         """Session ``sid``'s sampling defaults and creation time: as this app created it, else ``stored`` (what the
@@ -165,48 +188,6 @@ async def _validation_error(request: Request, e: RequestValidationError):
     return APIError(400, f"bad request: {e.errors()}").response()
 
 
-# --- answering a generation ------------------------------------------------------------------------------------------
-
-async def wait_for(request: Request, handle: RequestHandle) -> GenerationOutput | None:
-    """The request's output; ``None`` if the client went away (the request is cancelled then)."""
-    async def collect():
-        async for _ in handle:
-            pass
-        return handle.output
-
-    task = asyncio.ensure_future(collect())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.1)
-            if done:
-                break
-            if await request.is_disconnected():
-                handle.cancel()
-                return None
-        try:
-            out = task.result()
-        except BaseException as e:  # noqa: BLE001 - the request's own error, answered as JSON
-            raise engine_error(e) from None
-        if out.finish_reason == "cancelled":
-            raise cancelled_error()
-        return out
-    finally:
-        if not task.done():
-            task.cancel()
-            handle.cancel()
-
-
-async def respond(request: Request, job: Job, handle: RequestHandle) -> Response:
-    """The job's answer: a stream of server-sent events, or its JSON once the generation ends."""
-    tokens = served(request).tokens
-    if job.stream:
-        return event_stream(job, handle, tokens)
-    out = await wait_for(request, handle)
-    if out is None:
-        return Response(status_code=499)  # nobody is listening any more
-    return JSONResponse(reply_body(job, out, tokens, handle))
-
-
 async def on_session(s: Served, fn, sid: str, *args):
     """``fn(sid, *args)`` in the thread pool (the registry may close expired sessions, which waits for the engine's
     step); 404 for an unknown id."""
@@ -261,20 +242,22 @@ async def chat_completions(request: Request):
     s = served(request)
     req = protocol.read_chat(await read_json(request, s.max_request_bytes), s.model_id)
     lp = None if req.top_logprobs is None else Logprobs(req.top_logprobs, chat=True)
-    job = Job("chat", s.model_id, req.stream, req.include_usage, lp)
+    reads = req.tools if req.tools is not None and req.tools.parses else None
+    job = Job("chat", s.model_id, req.stream, req.include_usage, lp, tools=reads,
+              tool_parser=s.tool_parser if reads else None)
     want_lp = {"logprobs": MAX_LOGPROBS} if lp else {}
     c = s.client
     if req.session_id is None:
-        gen = s.gen(req.sampling, want_lp)
-        handle = await run_in_threadpool(lambda: c.submit(c.chat_template_ids(req.messages), gen))
-        return await respond(request, job, handle)
+        gen = s.gen(req.sampling, s.tool_constraint(req.tools, req.sampling), want_lp)
+        handles = await run_in_threadpool(lambda: submit_choices(c, s.chat_ids(req.messages, req.tools), gen, req.n))
+        return await respond(request, job, handles)
     stored = await on_session(s, c.check_session, req.session_id)  # 404 first
-    if req.messages[-1]["role"] != "user":
+    if req.messages[-1]["role"] != "user" or req.tools is not None:
         raise APIError(400, "with 'session_id' the last message must be the user's new message (the "
-                            "session keeps the earlier ones)", param="messages")
+                            "session keeps the earlier ones), without 'tools'", param="messages")
     gen = s.gen(s.defaults(req.session_id, stored)[0], req.sampling, want_lp)
     handle = await on_session(s, c.submit_chat, req.session_id, req.messages[-1]["content"], gen, s.persist)
-    return await respond(request, job, handle)
+    return await respond(request, job, [handle])
 
 
 @v1.post("/completions")
@@ -283,8 +266,8 @@ async def completions(request: Request):
     req = protocol.read_completion(await read_json(request, s.max_request_bytes), s.model_id)
     lp = None if req.logprobs is None else Logprobs(req.logprobs, chat=False)
     gen = s.gen({"max_new_tokens": 16}, req.sampling, {"logprobs": MAX_LOGPROBS} if lp else {})
-    handle = await run_in_threadpool(s.client.submit, req.prompt, gen)
-    return await respond(request, Job("completion", s.model_id, req.stream, req.include_usage, lp), handle)
+    handles = await run_in_threadpool(submit_choices, s.client, req.prompt, gen, req.n)
+    return await respond(request, Job("completion", s.model_id, req.stream, req.include_usage, lp), handles)
 
 
 @v1.post("/sessions", status_code=201)
@@ -310,7 +293,7 @@ async def session_chat(sid: str, request: Request):
     turn = protocol.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
     gen = s.gen(s.defaults(sid, stored)[0], turn.sampling)
     handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist)
-    return await respond(request, Job("session", s.model_id, turn.stream, session_id=sid), handle)
+    return await respond(request, Job("session", s.model_id, turn.stream, session_id=sid), [handle])
 
 
 @v1.get("/sessions/{sid}")
@@ -320,7 +303,7 @@ async def session_info(sid: str, request: Request):
     defaults, created = s.defaults(sid, info.pop("defaults"))
     last = info.pop("last")
     return {"id": sid, "object": "session", "created": created, "model": s.model_id, **info,
-            "defaults": protocol.api_fields(defaults), "last_usage": None if last is None else usage(last)}
+            "defaults": protocol.api_fields(defaults), "last_usage": None if last is None else usage([last])}
 
 
 @v1.delete("/sessions/{sid}")
@@ -361,7 +344,8 @@ def _inproc_client(engine: Engine, loop: EngineLoop | None, sessions: SessionReg
 
 def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_name: str | None = None,
                api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20,
-               sessions: SessionRegistry | None = None, session_dir: bool | None = None) -> FastAPI:
+               sessions: SessionRegistry | None = None, session_dir: bool | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``: an :class:`Engine` in this process, or an
     :class:`~turbo.serve.mp_client.MPClient` of an engine process (then ``loop`` and ``sessions`` must be None and
     the app closes the client when it shuts down).
@@ -374,8 +358,9 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     ``LITETURBO_API_KEYS``; empty = no authentication. max_request_bytes: larger bodies get 413. sessions: the
     :class:`~turbo.serve.sessions.SessionRegistry` behind ``/v1/sessions`` (default: ``SessionRegistry(engine)``,
     with its idle expiry and caps). session_dir: whether sessions are saved after every turn (default: whether
-    the registry has a session dir; an MPClient's engine process saves when this is true). Raises
-    ``LiteturboError`` for bad arguments.
+    the registry has a session dir; an MPClient's engine process saves when this is true). tool_call_parser: the
+    format tool calls are read in (:data:`turbo.serve.tools.PARSERS`; default: the one the chat template writes,
+    else ``hermes``, see :func:`turbo.serve.tools.choose_parser`). Raises ``LiteturboError`` for bad arguments.
     """
     if not is_int(max_request_bytes) or max_request_bytes < 1:
         raise LiteturboError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
@@ -391,7 +376,8 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     client.observers.append(metrics.observe)
     chat_page = (resources.files(__package__) / "static" / "chat.html").read_text(encoding="utf-8")
     s = Served(client, model_name or client.path.name, keys, max_request_bytes, owned, metrics, chat_page,
-               Tokens(client.tokenizer), persist=bool(session_dir))
+               Tokens(client.tokenizer), persist=bool(session_dir),
+               tool_parser=ToolParser(choose_parser(client.tokenizer, tool_call_parser)))
     app = FastAPI(title="liteturbo", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.served, app.state.model_name, app.state.metrics = s, s.model_id, metrics
@@ -409,19 +395,22 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
 def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: str | None = None,
           api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20, log_level: str = "info",
           session_dir: str | None = None, max_sessions: int = 256, session_idle_timeout: float = 3600.0,
-          engine_process: bool = True, **engine_options) -> None:
+          engine_process: bool = True, tool_call_parser: str | None = None, **engine_options) -> None:
     """Load ``model`` (name or checkpoint folder) into an :class:`Engine` with ``engine_options``
     (:class:`~turbo.config.EngineConfig` fields) and serve it with uvicorn on ``host:port`` until interrupted.
     ``engine_process``: run the engine in a process of its own (:mod:`turbo.serve.engine_proc`; default) or in
     this one. ``api_keys``: see :func:`create_app` (``None`` reads ``LITETURBO_API_KEYS``). ``session_dir``,
     ``max_sessions``, ``session_idle_timeout``: the :class:`~turbo.serve.sessions.SessionRegistry` (sessions saved
-    after every turn and restored at start with a session dir). Raises ``LiteturboError`` for a bad model or
-    option, and when the engine process died while serving (after the server stopped)."""
+    after every turn and restored at start with a session dir). ``tool_call_parser``: see :func:`create_app`.
+    Raises ``LiteturboError`` for a bad model or option, and when the engine process died while serving (after the
+    server stopped)."""
     if not is_int(port) or not 0 <= port <= 65535:
         raise LiteturboError(f"port must be an integer in [0, 65535], got {port!r}")
     if not is_int(max_request_bytes) or max_request_bytes < 1:  # checked before the (slow) model load
         raise LiteturboError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     keys = _parse_keys(api_keys)
+    if tool_call_parser is not None:
+        ToolParser(tool_call_parser)  # an unknown name fails before the (slow) model load
     _check_port(host, port)  # before the (slow) model load
     if session_dir is not None:  # before the (slow) model load
         make_dirs(Path(session_dir).expanduser(), "--session-dir")
@@ -431,11 +420,11 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
         if client.restored:
             print(f"[liteturbo] restored {client.restored} session(s) from {session_dir}", file=sys.stderr)
         app = create_app(client, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
-                         session_dir=session_dir is not None)
+                         session_dir=session_dir is not None, tool_call_parser=tool_call_parser)
     else:
         engine = Engine(model, **engine_options)
         app = create_app(engine, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
-                         sessions=SessionRegistry(engine, **registry))
+                         sessions=SessionRegistry(engine, **registry), tool_call_parser=tool_call_parser)
     _run(app, host, port, log_level, bool(keys))
 
 

@@ -78,6 +78,10 @@ class InprocClient:
         """Queue a prompt (text or ids); see :meth:`turbo.loop.EngineLoop.submit` for the errors."""
         return self.loop.submit(prompt, gen, priority)
 
+    def submit_many(self, prompt: str | list[int], gens: list[GenerationConfig]) -> list[RequestHandle]:
+        """Queue one prompt once per config, all before the next step (see :meth:`turbo.loop.EngineLoop.submit_many`)."""
+        return self.loop.submit_many(prompt, gens)
+
     def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False) -> RequestHandle:
         """Queue session ``sid``'s next turn (saved under the session dir when it ends if ``persist``); raises
         ``NotFound`` for an unknown id, ``Conflict`` while it generates, ``InvalidRequest`` for a bad message."""

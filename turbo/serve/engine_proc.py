@@ -9,7 +9,8 @@ drives them with an :class:`~turbo.loop.EngineLoop`, and talks to the front over
 pickled tuples (a local, trusted pipe between two processes of one server):
 
 front -> engine
-    ``("submit", rid, prompt_ids, gen, priority)``, ``("chat", rid, session_id, message, gen, persist)``,
+    ``("submit", rid, prompt_ids, gen, priority)``, ``("submit_many", rids, prompt_ids, gens, priority)`` (a
+    request's ``n`` choices, queued together), ``("chat", rid, session_id, message, gen, persist)``,
     ``("cancel", rid)``, ``("call", cid, method, args)`` (sessions and stats), ``("shutdown",)``.
 engine -> front
     ``("ready", facts)`` or ``("failed", message)`` once at start; ``("ack", rid, stop_ids, error)`` per
@@ -112,6 +113,18 @@ class EngineProcess:
     def submit(self, rid: int, ids: list[int], gen, priority: int) -> None:
         self._start(rid, lambda: self.loop.submit(ids, gen, priority, sink=self.sink))
 
+    def submit_many(self, rids: list[int], ids: list[int], gens: list, priority: int) -> None:
+        try:
+            handles = self.loop.submit_many(ids, gens, priority, sink=self.sink)
+        except Exception as e:  # noqa: BLE001 - as _start: each choice's caller gets the error
+            for rid in rids:
+                self.send(("ack", rid, None, error_to_wire(e)))
+            return
+        for rid, h in zip(rids, handles):
+            h.rid, h.ids_sent = rid, 0
+            self.handles[rid] = h
+            self.send(("ack", rid, sorted(h.request.stop_ids), None))
+
     def chat(self, rid: int, sid: str, message: str, gen, persist: bool) -> None:
         def go():
             session = self.sessions.get(sid)
@@ -154,6 +167,8 @@ class EngineProcess:
         kind = msg[0]
         if kind == "submit":
             self.loop.call_soon(lambda: self.submit(*msg[1:]))
+        elif kind == "submit_many":
+            self.loop.call_soon(lambda: self.submit_many(*msg[1:]))
         elif kind == "chat":
             self.loop.call_soon(lambda: self.chat(*msg[1:]))
         elif kind == "cancel":

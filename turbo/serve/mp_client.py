@@ -187,6 +187,29 @@ class MPClient:
         rid = next(self._ids)
         return self._open(("submit", rid, prompt, gen, priority), rid)
 
+    def submit_many(self, prompt: str | list[int], gens: list[GenerationConfig]) -> list[RemoteHandle]:
+        """Queue one prompt once per config, all before the engine's next step (a request's ``n`` choices)."""
+        if isinstance(prompt, str):
+            try:
+                prompt = encode(self.tokenizer, prompt)
+            except LiteturboError as e:
+                raise InvalidRequest(str(e)) from None
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        rids = [next(self._ids) for _ in gens]
+        handles = [RemoteHandle(self, rid) for rid in rids]
+        self._handles.update(zip(rids, handles))
+        self.send(("submit_many", rids, prompt, list(gens), 0))
+        try:
+            for h in handles:
+                h.request.stop_ids = set(h.ack.result(600.0))
+        except BaseException:
+            for rid, h in zip(rids, handles):
+                self._handles.pop(rid, None)
+                h.cancel()
+            raise
+        return handles
+
     def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False) -> RemoteHandle:
         """Queue session ``sid``'s next turn (see :meth:`InprocClient.submit_chat`)."""
         rid = next(self._ids)

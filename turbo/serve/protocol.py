@@ -20,8 +20,10 @@ from starlette.requests import Request
 from lite.formats import LiteturboError
 
 from ..config import LIST_KINDS, SAMPLING, SAMPLING_FIELDS, GenerationConfig, SamplingField, bound_text
+from . import tools
 from .responses import APIError
 from .sessions import session_id_problem
+from .structured import read_constraint
 
 MAX_LOGPROBS = SAMPLING["logprobs"].hi  # what the engine's sampler returns at most (20)
 
@@ -235,15 +237,10 @@ def _read_stream(b: Body) -> tuple[bool, bool]:
     return stream, opts.get("include_usage", False)
 
 
-_TOOLS = "tool / function calling is not implemented"
-_FUNCTIONS = "function calling is not implemented"
-# OpenAI fields this server cannot honour: (name, the harmless value(s) it accepts, what is missing)
+_FUNCTIONS = "the deprecated functions API is not implemented; use tools / tool_choice"
 _REFUSED_CHAT = (
-    ("tools", lambda v: v == [], _TOOLS), ("tool_choice", lambda v: v == "none", _TOOLS),
-    ("parallel_tool_calls", lambda v: False, _TOOLS), ("functions", lambda v: v == [], _FUNCTIONS),
+    ("functions", lambda v: v == [], _FUNCTIONS),
     ("function_call", lambda v: v == "none", _FUNCTIONS),
-    ("response_format", lambda v: v == {"type": "text"},
-     "only {\"type\": \"text\"}; JSON mode and json_schema (constrained decoding) are not implemented"),
     ("modalities", lambda v: v == ["text"], "only text output"),
     *((name, lambda v: False, "not implemented") for name in
       ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity", "metadata")),
@@ -256,19 +253,19 @@ _REFUSED_COMPLETION = (
 )
 
 
-def read_common(b: Body, model_id: str, chat: bool) -> tuple[bool, bool]:
+MAX_N = 64  # choices per request at most (the engine's default batch)
+
+
+def read_common(b: Body, model_id: str, chat: bool) -> tuple[bool, bool, int]:
     """``model``, ``n``, ``stream``, ``stream_options``, ``user`` and the refused OpenAI fields. Returns
-    (stream, include_usage)."""
+    (stream, include_usage, n)."""
     check_model(b, model_id)
-    n = b.int("n", lo=1)
-    if n is not None and n != 1:
-        raise APIError(400, f"'n'={n}: only n=1 is supported; send {n} requests instead (with different seeds)",
-                       param="n", code="unsupported_field")
+    n = b.int("n", lo=1, hi=MAX_N) or 1
     stream, include_usage = _read_stream(b)
     b.str("user")  # an end-user id for the caller's own bookkeeping: nothing to do with it here
     for name, harmless, why in _REFUSED_CHAT if chat else _REFUSED_COMPLETION:
         b.refuse(name, harmless, why)
-    return stream, include_usage
+    return stream, include_usage, n
 
 
 # --- prompts ---------------------------------------------------------------------------------------------------------
@@ -294,11 +291,12 @@ def _text_content(content: Any, where: str) -> str:
     raise APIError(400, f"{where}.content must be a string or a non-empty list of text parts", param="messages")
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def read_messages(raw: Any) -> list[dict]:
-    """Validated ``messages`` as ``[{"role", "content": str}]`` (``developer`` becomes ``system``)."""
+    """Validated ``messages`` as ``[{"role", "content": str}]`` (``developer`` becomes ``system``); assistant tool
+    calls and tool results as :func:`turbo.serve.tools.read_tool_message` reads them."""
     if not isinstance(raw, list) or not raw:
         raise APIError(400, "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects",
                        param="messages")
@@ -309,14 +307,19 @@ def read_messages(raw: Any) -> list[dict]:
             raise APIError(400, f"{where} must be an object with 'role' and 'content'", param="messages")
         role = m.get("role")
         if role not in _ROLES:
-            raise APIError(400, f"{where}.role {json.dumps(role)[:40]} is not supported; use system, developer, user "
-                                f"or assistant (tool messages are not implemented)", param="messages")
+            raise APIError(400, f"{where}.role {json.dumps(role)[:40]} is not supported; use system, developer, user, "
+                                f"assistant or tool", param="messages")
+        if role == "tool" or (role == "assistant" and "tool_calls" in m):
+            out.append(tools.read_tool_message(m, where, _text_content))
+            continue
         extra = sorted(set(m) - {"role", "content"})
         if extra:
             raise APIError(400, f"{where} has unsupported field{'s' if len(extra) > 1 else ''} "
                                 f"{', '.join(repr(x) for x in extra)}: only role and content are read "
-                                f"(names and tool calls are not implemented)", param="messages")
+                                f"(and tool_calls on assistant messages; names are not implemented)",
+                           param="messages")
         out.append({"role": _ROLES[role], "content": _text_content(m.get("content"), where)})
+    tools.link_tool_messages(out)
     return out
 
 
@@ -350,6 +353,8 @@ class ChatRequest:
     top_logprobs: int | None
     session_id: str | None
     sampling: dict
+    n: int = 1
+    tools: tools.ToolRequest | None = None
 
 
 @dataclass
@@ -361,6 +366,7 @@ class CompletionRequest:
     include_usage: bool
     logprobs: int | None
     sampling: dict
+    n: int = 1
 
 
 @dataclass
@@ -385,28 +391,32 @@ class Turn:
 def read_chat(data: dict, model_id: str) -> ChatRequest:
     """A chat completion request's fields (400 / 404 naming the field)."""
     b = Body(data, "a chat completion request")
-    stream, include_usage = read_common(b, model_id, chat=True)
+    stream, include_usage, n = read_common(b, model_id, chat=True)
     messages = read_messages(b.raw("messages"))
     want_lp, top = b.bool("logprobs"), b.int("top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if top is not None and not want_lp:
         raise APIError(400, "'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
     sid = b.str("session_id")
-    g = read_sampling(b)
+    if sid is not None and n > 1:
+        raise APIError(400, "'n' > 1 cannot continue a session (one history, one reply); leave out session_id or n",
+                       param="n")
+    g = read_sampling(b) | read_constraint(b)
+    calls = tools.read_tools(b.raw("tools"), b.raw("tool_choice"), b.raw("parallel_tool_calls"))
     b.done()
-    return ChatRequest(messages, stream, include_usage, (top or 0) if want_lp else None, sid, g)
+    return ChatRequest(messages, stream, include_usage, (top or 0) if want_lp else None, sid, g, n, calls)
 
 
 def read_completion(data: dict, model_id: str) -> CompletionRequest:
     """A completion request's fields (400 / 404 naming the field)."""
     b = Body(data, "a completion request")
-    stream, include_usage = read_common(b, model_id, chat=False)
+    stream, include_usage, n = read_common(b, model_id, chat=False)
     if not b.has("prompt"):
         raise APIError(400, "'prompt' is required: a string or a list of token ids", param="prompt")
     prompt = read_prompt(b.raw("prompt"))
     n_lp = b.int("logprobs", lo=0, hi=MAX_LOGPROBS)
-    g = read_sampling(b)
+    g = read_sampling(b) | read_constraint(b)
     b.done()
-    return CompletionRequest(prompt, stream, include_usage, n_lp, g)
+    return CompletionRequest(prompt, stream, include_usage, n_lp, g, n)
 
 
 def read_new_session(data: dict) -> NewSession:
@@ -430,6 +440,6 @@ def read_turn(data: dict, model_id: str) -> Turn:
         raise APIError(400, "'content' must be a non-empty string: the user's message", param="content")
     check_model(b, model_id)
     stream = bool(b.bool("stream"))
-    g = read_sampling(b)
+    g = read_sampling(b) | read_constraint(b)
     b.done()
     return Turn(content, stream, g)

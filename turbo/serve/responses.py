@@ -6,11 +6,16 @@
   :func:`reply_body` is its JSON answer, :func:`event_stream` its server-sent events (``data: {...}`` chunks in
   OpenAI's shapes, ending with ``data: [DONE]``; an error after the stream began is one ``data: {"error": ...}``
   event before it).
-- :class:`Logprobs`: log-probability entries in the chat (``logprobs.content``) or completions
-  (``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``) shape.
+- A job has one choice per engine request (``n`` > 1: several, answered as ``choices[i]``; a stream interleaves
+  their chunks as they come, each with its ``index``; ``usage`` counts the shared prompt once). A chat with tools
+  reads each reply for calls (:mod:`turbo.serve.tool_parsers`): the message gets ``tool_calls`` and the finish
+  reason ``tool_calls``; a stream sends ``tool_calls`` deltas as OpenAI does (the call's id, type and name first,
+  then its arguments in pieces).
+- Log-probability entries (their bytes, token strings and text offsets) are :mod:`turbo.serve.logprobs`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -26,11 +31,9 @@ from lite.formats import LiteturboError
 from ..engine import GenerationOutput
 from ..errors import OverCapacity, http_status
 from ..loop import RequestHandle
+from .logprobs import Logprobs, TextOffsets, Tokens, logprob_entries
 
 log = logging.getLogger("liteturbo.server")
-
-# the chosen token's logprob when it is not among the 20 most likely: the value OpenAI's API documents for that case
-UNLIKELY_LOGPROB = -9999.0
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
@@ -74,78 +77,12 @@ def cancelled_error() -> APIError:
     return APIError(503, "the request was cancelled: the server is shutting down; retry")
 
 
-def usage(out: GenerationOutput) -> dict:
-    """OpenAI's ``usage`` object of an output (with ``prompt_tokens_details.cached_tokens``)."""
-    n = len(out.token_ids)
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": n, "total_tokens": out.prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
-
-
 def sse(obj: Any) -> str:
     """One server-sent event carrying ``obj`` as JSON."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 DONE = "data: [DONE]\n\n"
-
-
-# --- log-probabilities -----------------------------------------------------------------------------------------------
-
-class Tokens:
-    """Token id -> (text, UTF-8 bytes) for log-probability entries (cached)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.cache = tokenizer, {}
-
-    def __call__(self, tid: int) -> tuple[str, list[int]]:
-        got = self.cache.get(tid)
-        if got is None:
-            text = self.tokenizer.decode([tid])
-            got = self.cache[tid] = (text, list(text.encode("utf-8")))
-        return got
-
-
-@dataclass
-class Logprobs:
-    """Which log-probabilities a request returns: ``top`` alternatives per token (chat: top_logprobs; completions:
-    logprobs). The engine is asked for the 20 most likely, so the chosen token's own logprob is found among them
-    (it is always the first for greedy decoding); one outside them is reported as :data:`UNLIKELY_LOGPROB`."""
-
-    top: int
-    chat: bool
-
-    @staticmethod
-    def chosen(tid: int, top: list[tuple[int, float]]) -> float:
-        return next((lp for t, lp in top if t == tid), UNLIKELY_LOGPROB)
-
-    def entries(self, tokens: Tokens, ids: list[int], lps: list[list[tuple[int, float]]], offset: int):
-        """Chat: a list of ``{"token", "logprob", "bytes", "top_logprobs"}``; completions: the ``tokens`` /
-        ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` object (``offset``: characters before)."""
-        if self.chat:
-            out = []
-            for tid, top in zip(ids, lps):
-                text, raw = tokens(tid)
-                alts = [{"token": tokens(t)[0], "logprob": lp, "bytes": tokens(t)[1]} for t, lp in top[:self.top]]
-                out.append({"token": text, "logprob": self.chosen(tid, top), "bytes": raw, "top_logprobs": alts})
-            return out
-        res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, top in zip(ids, lps):
-            text = tokens(tid)[0]
-            res["tokens"].append(text)
-            res["token_logprobs"].append(self.chosen(tid, top))
-            res["top_logprobs"].append({tokens(t)[0]: lp for t, lp in top[:self.top]})
-            res["text_offset"].append(offset)
-            offset += len(text)
-        return res
-
-
-def _logprob_ids(handle: RequestHandle, start: int, end: int | None = None):
-    """(ids, top logprobs, end) of generated tokens ``start:end`` (stop ids left out: their text is not shown)."""
-    req = handle.request
-    n = len(req.output_ids) if end is None else end  # logprobs are appended before output_ids
-    ids, lps = req.output_ids[start:n], req.logprobs[start:n]
-    keep = [i for i, t in enumerate(ids) if t not in req.stop_ids]
-    return [ids[i] for i in keep], [lps[i] for i in keep], n
 
 
 # --- one generation's answer -----------------------------------------------------------------------------------------
@@ -156,7 +93,9 @@ _ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-", "session": "turn-"}
 @dataclass
 class Job:
     """One generation to answer: what kind of response (``"chat"``, ``"completion"`` or ``"session"``), for which
-    model id, and its options. ``id`` defaults to a fresh one with the kind's prefix."""
+    model id, and its options. ``tools`` (a :class:`~turbo.serve.tools.ToolRequest`) and ``tool_parser`` (a
+    :class:`~turbo.serve.tool_parsers.ToolParser`): a chat whose replies are read for tool calls. ``id`` defaults
+    to a fresh one with the kind's prefix."""
 
     kind: str
     model: str
@@ -164,18 +103,30 @@ class Job:
     include_usage: bool = False
     logprobs: Logprobs | None = None
     session_id: str | None = None
+    tools: Any = None
+    tool_parser: Any = None
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{_ID_PREFIX[self.kind]}{uuid.uuid4().hex[:24]}"
 
-    def logprob_entries(self, tokens: Tokens, handle: RequestHandle, start: int, end: int | None, offset: int):
-        """(entries of generated tokens ``start:end``, the end) or (``None``, ``start``) without logprobs."""
-        if self.logprobs is None:
-            return None, start
-        ids, lps, n = _logprob_ids(handle, start, end)
-        return self.logprobs.entries(tokens, ids, lps, offset), n
+    def finish(self, reason: str, called: bool) -> str:
+        """OpenAI's finish reason of a reply that made calls or not (:func:`turbo.serve.tools.finish_reason`)."""
+        if not called:
+            return reason
+        from .tools import finish_reason  # tools builds on this module's APIError
+        return finish_reason(reason, [True], self.tools)
+
+    def message(self, out: GenerationOutput) -> tuple[dict, str]:
+        """A finished chat reply's ``message`` and finish reason (``tool_calls`` when it made calls)."""
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": out.text}, out.finish_reason
+        content, calls = self.tool_parser.parse(out.text, self.tools.max_calls)
+        if not calls:
+            return {"role": "assistant", "content": out.text}, out.finish_reason
+        message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+        return message, self.finish(out.finish_reason, True)
 
 
 def _chunk_base(job: Job) -> dict:
@@ -189,95 +140,157 @@ def _chunk_base(job: Job) -> dict:
             "session_id": job.session_id}
 
 
-def piece_chunk(job: Job, text: str, lp: Any, first: bool = False) -> dict:
-    """The chunk of a streamed text piece (``first``: the chat's opening chunk with the role)."""
-    base = _chunk_base(job)
-    if job.kind == "chat":
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None if lp is None else {"content": lp},
-                  "finish_reason": None}
-    elif job.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": None}
-    else:
-        return dict(base, delta=text, finish_reason=None)
-    return dict(base, choices=[choice], **({"usage": None} if job.include_usage else {}))
+def usage(outs: list[GenerationOutput]) -> dict:
+    """OpenAI's ``usage`` object of a request's outputs, one per choice (the prompt counted once, as its choices
+    share it; with ``prompt_tokens_details.cached_tokens``: the first choice's)."""
+    n = sum(len(o.token_ids) for o in outs)
+    p = outs[0].prompt_tokens
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens}}
 
 
-def final_chunks(job: Job, out: GenerationOutput, lp: Any) -> list[dict]:
-    """The chunks that end a stream: the finish reason, then the usage when asked for."""
-    base = _chunk_base(job)
+def reply_body(job: Job, outs: list[GenerationOutput], tokens: Tokens, handles: list[RequestHandle]) -> dict:
+    """The JSON answer of a finished, non-streamed job (one choice per output)."""
     if job.kind == "session":
-        return [dict(base, delta="", finish_reason=out.finish_reason, usage=usage(out))]
-    if job.kind == "chat":
-        choice = {"index": 0, "delta": {}, "logprobs": None if lp is None else {"content": lp},
-                  "finish_reason": out.finish_reason}
-    else:
-        choice = {"index": 0, "text": "", "logprobs": lp, "finish_reason": out.finish_reason}
-    chunks = [dict(base, choices=[choice], **({"usage": None} if job.include_usage else {}))]
-    if job.include_usage:
-        chunks.append(dict(base, choices=[], usage=usage(out)))
-    return chunks
-
-
-def reply_body(job: Job, out: GenerationOutput, tokens: Tokens, handle: RequestHandle) -> dict:
-    """The JSON answer of a finished, non-streamed job."""
-    if job.kind == "session":
+        out = outs[0]
         return {"id": job.id, "object": "session.turn", "created": job.created, "model": job.model,
                 "session_id": job.session_id, "content": out.text, "finish_reason": out.finish_reason,
-                "usage": usage(out)}
-    lp, _ = job.logprob_entries(tokens, handle, 0, len(out.token_ids), 0)
-    if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": None if lp is None else {"content": lp}, "finish_reason": out.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
-        obj = "text_completion"
+                "usage": usage(outs)}
+    choices = []
+    for i, (out, handle) in enumerate(zip(outs, handles)):
+        lp, _ = logprob_entries(job.logprobs, tokens, handle, 0, len(out.token_ids), TextOffsets(), len(out.text))
+        if job.kind == "chat":
+            message, finish = job.message(out)
+            choices.append({"index": i, "message": message, "logprobs": None if lp is None else {"content": lp},
+                            "finish_reason": finish})
+        else:
+            choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason})
+    obj = "chat.completion" if job.kind == "chat" else "text_completion"
     return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "system_fingerprint": None,
-            "choices": [choice], "usage": usage(out)}
+            "choices": choices, "usage": usage(outs)}
 
 
-async def _events(job: Job, handle: RequestHandle, tokens: Tokens) -> AsyncIterator[str]:
-    """The job's server-sent events, ending with ``data: [DONE]``; leaving early cancels the request."""
-    sent, chars = 0, 0  # tokens whose logprobs went out, characters of text that went out
+class _Choice:
+    """One choice of a stream: what of its tokens and text went out, and its tool-call reader."""
+
+    def __init__(self, job: Job, index: int, handle: RequestHandle) -> None:
+        self.job, self.index, self.handle = job, index, handle
+        self.sent = self.chars = 0  # tokens whose logprobs went out, characters of text that went out
+        self.offsets = TextOffsets()  # at token `sent`
+        self.reader = job.tool_parser.streamer(job.tools.max_calls) if job.tool_parser is not None else None
+        self.called = self.stopped = False  # stopped: the reply repeated a call, so its generation was stopped
+
+    def chunks(self, piece: str, tokens: Tokens, end: int | None = None) -> list[dict]:
+        """The chunks of a text piece (``end``: the last piece, all tokens to ``end``) with its logprobs."""
+        job, base = self.job, _chunk_base(self.job)
+        self.chars += len(piece)
+        text_len = len(self.handle.output.text) if end is not None else self.chars
+        lp, self.sent = logprob_entries(job.logprobs, tokens, self.handle, self.sent, end, self.offsets, text_len)
+        if job.kind == "session":
+            return [dict(base, delta=piece, finish_reason=None)] if piece else []
+        if job.kind == "completion":
+            choices = [{"index": self.index, "text": piece, "logprobs": lp, "finish_reason": None}]
+            return [dict(base, choices=choices, **({"usage": None} if job.include_usage else {}))] \
+                if piece or (lp and lp["tokens"]) else []
+        if self.reader is None:
+            deltas = [{"content": piece}] if piece else []
+        else:
+            deltas = self.reader.feed(piece) + (self.reader.finish() if end is not None else [])
+            self.called = self.called or any("tool_calls" in d for d in deltas)
+            if self.reader.repeated and not self.stopped:
+                self.stopped = True
+                self.handle.cancel()
+        if lp and not deltas:
+            deltas = [{}]
+        out = []
+        for k, d in enumerate(deltas):
+            lpk = None if job.logprobs is None else {"content": lp if k == 0 else []}
+            choice = {"index": self.index, "delta": d, "logprobs": lpk, "finish_reason": None}
+            out.append(dict(base, choices=[choice], **({"usage": None} if job.include_usage else {})))
+        return out
+
+    def final(self) -> dict:
+        """The chunk with the finish reason."""
+        job, out, base = self.job, self.handle.output, _chunk_base(self.job)
+        if job.kind == "session":
+            return dict(base, delta="", finish_reason=out.finish_reason, usage=usage([out]))
+        finish = job.finish("stop" if self.stopped else out.finish_reason, self.called)
+        key = {"delta": {}} if job.kind == "chat" else {"text": ""}
+        lp = None if job.logprobs is None else ({"content": []} if job.kind == "chat" else None)
+        choice = {"index": self.index, **key, "logprobs": lp, "finish_reason": finish}
+        return dict(base, choices=[choice], **({"usage": None} if job.include_usage else {}))
+
+
+async def _pump(i: int, handle: RequestHandle, q: asyncio.Queue) -> None:
+    """Put choice ``i``'s text pieces on ``q``, then ``(i, None)`` (or ``(i, the error)``)."""
+    try:
+        async for piece in handle:
+            await q.put((i, piece))
+    except Exception as e:  # noqa: BLE001 - reported by the stream as its error event
+        await q.put((i, e))
+        return
+    await q.put((i, None))
+
+
+async def _events(job: Job, handles: list[RequestHandle], tokens: Tokens) -> AsyncIterator[str]:
+    """The job's server-sent events (the choices' chunks as they come), ending with ``data: [DONE]``; leaving early
+    cancels every choice's request."""
+    choices = [_Choice(job, i, h) for i, h in enumerate(handles)]
+    q: asyncio.Queue = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(i, h, q)) for i, h in enumerate(handles)]
     try:
         if job.kind == "chat":
-            yield sse(piece_chunk(job, "", [] if job.logprobs else None, first=True))
-        async for piece in handle:
-            lp, sent = job.logprob_entries(tokens, handle, sent, None, chars)
-            chars += len(piece)
-            yield sse(piece_chunk(job, piece, lp))
-        out = handle.output
-        if out.finish_reason == "cancelled":
-            raise cancelled_error()
-        lp, _ = job.logprob_entries(tokens, handle, sent, len(out.token_ids), chars)
-        for c in final_chunks(job, out, lp):
-            yield sse(c)
+            for c in choices:
+                first = {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None if job.logprobs is None else {"content": []}, "finish_reason": None}
+                yield sse(dict(_chunk_base(job), choices=[first], **({"usage": None} if job.include_usage else {})))
+        left = len(choices)
+        while left:
+            i, item = await q.get()
+            c = choices[i]
+            if isinstance(item, Exception):
+                raise item
+            if item is not None:
+                for chunk in c.chunks(item, tokens):
+                    yield sse(chunk)
+                continue
+            left -= 1
+            out = c.handle.output
+            if out.finish_reason == "cancelled" and not c.stopped:
+                raise cancelled_error()
+            for chunk in c.chunks("", tokens, end=len(out.token_ids)) + [c.final()]:
+                yield sse(chunk)
+        if job.include_usage and job.kind != "session":
+            yield sse(dict(_chunk_base(job), choices=[], usage=usage([h.output for h in handles])))
     except Exception as e:  # noqa: BLE001 - after the 200 went out, an error is one event in the stream
         yield sse(engine_error(e).body())
     finally:
-        if handle.output is None:  # the client went away (or the error ended it): free its blocks
-            handle.cancel()
+        for p in pumps:
+            p.cancel()
+        for h in handles:
+            if h.output is None:  # the client went away (or the error ended it): free its blocks
+                h.cancel()
     yield DONE
 
 
 class EventStream(StreamingResponse):
-    """A server-sent-event response that cancels its request however it ends, even when the client went away
+    """A server-sent-event response that cancels its requests however it ends, even when the client went away
     before the first event (then the event generator never starts, so its own ``finally`` never runs)."""
 
-    def __init__(self, handle: RequestHandle, events: AsyncIterator[str], **kwargs) -> None:
+    def __init__(self, handles: list[RequestHandle], events: AsyncIterator[str], **kwargs) -> None:
         super().__init__(events, **kwargs)
-        self.handle = handle
+        self.handles = handles
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if self.handle.output is None:
-                self.handle.cancel()
+            for h in self.handles:
+                if h.output is None:
+                    h.cancel()
 
 
-def event_stream(job: Job, handle: RequestHandle, tokens: Tokens) -> EventStream:
-    """The streamed answer of ``job``: its server-sent events as they are generated."""
-    return EventStream(handle, _events(job, handle, tokens), media_type="text/event-stream",
+def event_stream(job: Job, handles: list[RequestHandle], tokens: Tokens) -> EventStream:
+    """The streamed answer of ``job``: its server-sent events as they are generated (one choice per handle)."""
+    return EventStream(handles, _events(job, handles, tokens), media_type="text/event-stream",
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

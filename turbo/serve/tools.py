@@ -1,0 +1,410 @@
+"""Tool calling for the OpenAI-compatible server: the request's tools, tool messages, the prompt, the grammar that
+forces a call, and the finish reason. It follows OpenAI's semantics, and vLLM's where OpenAI says nothing.
+
+- :func:`read_tools` checks ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` into a :class:`ToolRequest`
+  (every error an :class:`~turbo.serve.responses.APIError` 400 naming the field and the fix).
+- :func:`read_tool_message` and :func:`link_tool_messages` read assistant messages with ``tool_calls`` and ``tool``
+  messages into the dicts chat templates take (Hugging Face's convention; ``arguments`` as a dict);
+  :func:`~turbo.serve.protocol.read_messages` calls them.
+- :func:`render_prompt` renders a conversation. A chat template that handles tools (its text mentions ``tools``)
+  gets them itself. A template without tool support (SmolLM2's, the default model's) gets the **fallback**: the
+  tools are listed as JSON, one per line inside ``<tools></tools>``, in a system message (after the user's own
+  system message when there is one), with the instruction to answer a call as
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (the Hermes format, which the ``hermes``
+  parser reads); earlier assistant calls are written the same way into the assistant's text, and tool results
+  become user messages holding ``<tool_response>\\n...\\n</tool_response>`` blocks (consecutive results in one
+  message). Then the model's own template renders the result. With ``tool_choice: "none"`` the tools are still in
+  the prompt (as vLLM does by default) but the reply is not read for calls (``ToolRequest.parses``).
+- :func:`choose_parser` picks the reply format from the chat template (or ``--tool-call-parser``); the parsers
+  are :mod:`turbo.serve.tool_parsers` (:class:`ToolParser`, :class:`ToolCall` re-exported here).
+- :func:`call_grammar` is the Lark grammar (llguidance's dialect) that forces a call for ``tool_choice``
+  "required" or a named function: the parser's format around ``%json`` objects ``{"name": const, "arguments":
+  the tool's parameters schema}``.
+- :func:`finish_reason` is ``"tool_calls"`` when a reply made calls.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import InvalidRequest
+from .responses import APIError
+from .tool_parsers import PARSERS, ToolCall, ToolParser
+
+__all__ = ["Tool", "ToolRequest", "read_tools", "read_tool_message", "link_tool_messages", "render_prompt",
+           "template_handles_tools", "call_grammar", "finish_reason", "ToolCall", "ToolParser", "choose_parser",
+           "PARSERS"]
+
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_CHOICES = ("none", "auto", "required")
+# the JSON inside a forced call: "name": "f", "arguments": {...} with a space or none after ':' and ',' (as
+# json.dumps and compact JSON write it), and no other whitespace, so that a model cannot pad it forever
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
+# the chat template text that tells which format a model was trained on
+_TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
+
+
+def template_text(tokenizer) -> str:
+    """The tokenizer's chat template text ("" when it has none; several named templates are joined)."""
+    t = getattr(tokenizer, "chat_template", None)
+    if isinstance(t, dict):
+        return "\n".join(v for v in t.values() if isinstance(v, str))
+    return t if isinstance(t, str) else ""
+
+
+def choose_parser(tokenizer, explicit: str | None = None) -> str:
+    """The tool-call format of a model: ``explicit`` when given (``--tool-call-parser``; an unknown name raises a
+    :class:`~lite.formats.LiteturboError` listing ``PARSERS``), else the one its chat template writes
+    (``<tool_call>`` → hermes, ``[TOOL_CALLS]`` → mistral, ``<|python_tag|>`` → llama3_json), else hermes (what
+    the fallback prompt of templates without tools asks for)."""
+    if explicit is not None:
+        return ToolParser(explicit).name
+    text = template_text(tokenizer)
+    return next((name for mark, name in _TEMPLATE_MARKS if mark in text), "hermes")
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the model may call. parameters: its arguments' JSON schema (an object schema)."""
+
+    name: str
+    description: str | None
+    parameters: dict
+    strict: bool = False
+
+    def openai(self) -> dict:
+        """The tool as OpenAI's ``tools`` list holds it (what chat templates take)."""
+        f: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            f["description"] = self.description
+        f["parameters"] = self.parameters
+        return {"type": "function", "function": f}
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A request's checked tools. choice: "none", "auto", "required" or "named" (then ``named`` is the function);
+    parallel: ``parallel_tool_calls``."""
+
+    tools: tuple[Tool, ...]
+    choice: str
+    named: str | None = None
+    parallel: bool = True
+
+    @property
+    def parses(self) -> bool:
+        """Whether the reply is read for calls (not for ``tool_choice: "none"``)."""
+        return self.choice != "none"
+
+    @property
+    def max_calls(self) -> int | None:
+        """The most calls a reply keeps (1 without parallel calls or with a named function; None: no limit)."""
+        return None if self.parallel and self.choice != "named" else 1
+
+    def openai(self) -> list[dict]:
+        """The tools as OpenAI's ``tools`` list (what chat templates take)."""
+        return [t.openai() for t in self.tools]
+
+
+def _bad(param: str, what: str) -> APIError:
+    return APIError(400, what, param=param)
+
+
+def _check_schema(name: str, schema: Any, where: str) -> dict:
+    """A function's ``parameters``: a JSON object schema that llguidance compiles (400 naming the tool if not)."""
+    import llguidance
+
+    if not isinstance(schema, dict):
+        raise _bad("tools", f"{where}.parameters of '{name}' must be a JSON schema object, got "
+                            f"{json.dumps(schema)[:80]}")
+    if schema.get("type", "object") != "object":
+        raise _bad("tools", f"{where}.parameters of '{name}' must be a schema of \"type\": \"object\" (arguments are "
+                            f"a JSON object), got \"type\": {json.dumps(schema['type'])[:40]}")
+    try:
+        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(schema))
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    if error:
+        raise _bad("tools", f"{where}.parameters of '{name}' is a JSON schema this server cannot enforce: "
+                            f"{error.strip()[:300]}; simplify the schema (llguidance supports most of JSON schema "
+                            f"draft 2020-12; no lookaround in patterns, only known formats)")
+    return schema
+
+
+def _read_tool(i: int, t: Any) -> Tool:
+    where = f"tools[{i}]"
+    if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+        raise _bad("tools", f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                            f"\"description\": ..., \"parameters\": {{...}}}}}}; only function tools are supported")
+    extra = sorted(set(t) - {"type", "function"}) or sorted(set(t["function"]) - {"name", "description",
+                                                                                  "parameters", "strict"})
+    if extra:
+        raise _bad("tools", f"{where} has unsupported field {extra[0]!r}; a function tool has type and function "
+                            f"(name, description, parameters, strict)")
+    f = t["function"]
+    name = f.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise _bad("tools", f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got "
+                            f"{json.dumps(name)[:80]}")
+    desc, strict = f.get("description"), f.get("strict")
+    if desc is not None and not isinstance(desc, str):
+        raise _bad("tools", f"{where}.function.description of '{name}' must be a string")
+    if strict is not None and not isinstance(strict, bool):
+        raise _bad("tools", f"{where}.function.strict of '{name}' must be true or false")
+    params = f.get("parameters")
+    if params is None:  # OpenAI: a function without parameters takes none
+        params = {"type": "object", "properties": {}, "additionalProperties": False}
+    else:
+        params = _check_schema(name, params, where)
+    return Tool(name, desc, params, bool(strict))
+
+
+def _read_choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
+    if choice is None:
+        return ("auto" if names else "none"), None
+    if choice in _CHOICES:
+        return choice, None
+    ok = (isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "function"}
+          and isinstance(choice["function"], dict) and set(choice["function"]) == {"name"})
+    if not ok:
+        raise _bad("tool_choice", f"'tool_choice' must be \"none\", \"auto\", \"required\" or {{\"type\": "
+                                  f"\"function\", \"function\": {{\"name\": ...}}}}, got {json.dumps(choice)[:100]}")
+    name = choice["function"]["name"]
+    if name not in names:
+        raise _bad("tool_choice", f"'tool_choice' names the function {json.dumps(name)[:80]}, which is not in "
+                                  f"'tools' ({', '.join(names) or 'none given'}); name one of them")
+    return "named", name
+
+
+def read_tools(body_tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolRequest | None:
+    """The checked ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request (``None`` for a field
+    not given); ``None`` when there are no tools (absent or ``[]``). ``tool_choice`` defaults to "auto" with
+    tools; without tools only "none" is accepted (as vLLM does; OpenAI refuses it too). Raises
+    :class:`~turbo.serve.responses.APIError` (400) naming the field: tools that are not a list of function tools,
+    a bad or repeated name, ``parameters`` that are not an object schema llguidance compiles, an unknown choice or
+    one naming a function not in ``tools``, a ``parallel_tool_calls`` that is not a boolean."""
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise _bad("parallel_tool_calls", f"'parallel_tool_calls' must be true or false, got "
+                                          f"{json.dumps(parallel_tool_calls)[:80]}")
+    if body_tools is None or body_tools == []:
+        if tool_choice is not None and tool_choice != "none":
+            raise _bad("tool_choice", "'tool_choice' needs 'tools': give the functions the model may call, or leave "
+                                      "'tool_choice' out")
+        return None
+    if not isinstance(body_tools, list):
+        raise _bad("tools", "'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects")
+    tools = tuple(_read_tool(i, t) for i, t in enumerate(body_tools))
+    names = [t.name for t in tools]
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        raise _bad("tools", f"'tools' names the function '{dup}' twice; give each function once")
+    choice, named = _read_choice(tool_choice, names)
+    return ToolRequest(tools, choice, named, True if parallel_tool_calls is None else parallel_tool_calls)
+
+
+# --- messages --------------------------------------------------------------------------------------------------------
+
+def _read_call(c: Any, where: str) -> dict:
+    """One ``tool_calls`` entry of an assistant message, ``arguments`` decoded (it must hold a JSON object)."""
+    shape = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON object text>"}}'
+    if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict) \
+            or set(c) - {"id", "type", "function"} or set(c["function"]) - {"name", "arguments"}:
+        raise _bad("messages", f"{where} must be {shape}")
+    f = c["function"]
+    if not isinstance(c.get("id"), str) or not c["id"]:
+        raise _bad("messages", f"{where}.id must be a non-empty string: the id tool messages answer")
+    if not isinstance(f.get("name"), str) or not f["name"]:
+        raise _bad("messages", f"{where}.function.name must be the called function's name")
+    args = f.get("arguments")
+    try:
+        decoded = json.loads(args) if isinstance(args, str) else None
+    except ValueError:
+        decoded = None
+    if not isinstance(decoded, dict):
+        raise _bad("messages", f"{where}.function.arguments must be a JSON object as a string, e.g. "
+                               f"\"{{\\\"city\\\": \\\"Paris\\\"}}\", got {json.dumps(args)[:80]}")
+    return {"id": c["id"], "type": "function", "function": {"name": f["name"], "arguments": decoded}}
+
+
+def read_tool_message(m: dict, where: str, content_of: Callable[[Any, str], str]) -> dict:
+    """A ``tool`` message, or an ``assistant`` message with ``tool_calls``, as a chat template takes it:
+    ``{"role": "tool", "content": str, "tool_call_id": str}`` or ``{"role": "assistant", "content": str (""
+    when null or absent), "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": dict}}]}``
+    (``tool_calls`` ``[]`` or null gives a plain assistant message). ``content_of(content, where)`` reads a content
+    field (a string or text parts). Raises :class:`~turbo.serve.responses.APIError` (400) naming the message."""
+    if m.get("role") == "tool":
+        extra = sorted(set(m) - {"role", "content", "tool_call_id", "name"})
+        if extra:
+            raise _bad("messages", f"{where} has unsupported field {extra[0]!r}: a tool message has role, "
+                                   f"content and tool_call_id")
+        if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+            raise _bad("messages", f"{where} (role \"tool\") needs 'tool_call_id': the id of the assistant's "
+                                   f"tool call it answers")
+        return {"role": "tool", "content": content_of(m.get("content"), where), "tool_call_id": m["tool_call_id"]}
+    extra = sorted(set(m) - {"role", "content", "tool_calls"})
+    if extra:
+        raise _bad("messages", f"{where} has unsupported field {extra[0]!r}: an assistant message with tool calls "
+                               f"has role, content and tool_calls")
+    calls = [] if m.get("tool_calls") is None else m["tool_calls"]
+    if not isinstance(calls, list):
+        raise _bad("messages", f"{where}.tool_calls must be a list of calls")
+    content = m.get("content")
+    out = {"role": "assistant", "content": "" if content is None else content_of(content, where)}
+    if calls:
+        out["tool_calls"] = [_read_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+        ids = [c["id"] for c in out["tool_calls"]]
+        if len(set(ids)) < len(ids):
+            raise _bad("messages", f"{where}.tool_calls repeats an id; give each call its own id")
+    return out
+
+
+def link_tool_messages(messages: list[dict]) -> None:
+    """Check that every tool message answers a call of the assistant message before it (other tool messages may
+    come between), as OpenAI does, and give it that call's function as ``name`` (some templates show it)."""
+    calls: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        if m["role"] != "tool":
+            calls = {c["id"]: c["function"]["name"] for c in m.get("tool_calls", ())}
+            continue
+        if m["tool_call_id"] not in calls:
+            made = f"its calls are {', '.join(calls)}" if calls else "it made no tool calls"
+            raise _bad("messages", f"messages[{i}] answers tool_call_id {json.dumps(m['tool_call_id'])[:80]}, but "
+                                   f"the assistant message before it made no such call ({made}); a tool message "
+                                   f"must follow the assistant message whose call it answers")
+        m["name"] = calls[m["tool_call_id"]]
+
+
+# --- the prompt ------------------------------------------------------------------------------------------------------
+
+_FALLBACK = (
+    "# Tools\n\nYou may call functions to help with the user's request. The functions are listed as JSON inside "
+    "<tools></tools>:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer with a JSON object holding its "
+    "name and its arguments inside <tool_call></tool_call> tags, one block per call:\n<tool_call>\n"
+    "{{\"name\": <function name>, \"arguments\": <the arguments as a JSON object>}}\n</tool_call>\n"
+    "Each function's result comes back inside <tool_response></tool_response>.")
+
+
+def _fallback(messages: list[dict], tools: ToolRequest | None) -> list[dict]:
+    """The conversation for a template without tool support (the module docs say how)."""
+    out: list[dict] = []
+    last_tool = False
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if last_tool:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+        elif m.get("tool_calls"):
+            blocks = ["<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments":
+                                                   c["function"]["arguments"]}, ensure_ascii=False) + "\n</tool_call>"
+                      for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(([m["content"]] if m["content"] else []) + blocks)})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+        last_tool = m["role"] == "tool"
+    if tools:
+        text = _FALLBACK.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools.openai()))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def template_handles_tools(tokenizer, tools: list[dict] | None = None) -> bool:
+    """Whether the chat template used with ``tools`` mentions ``tools`` (then it renders them itself)."""
+    try:
+        text = tokenizer.get_chat_template(tools=tools)
+    except (AttributeError, ValueError, TypeError):
+        text = template_text(tokenizer)
+    return "tools" in text
+
+
+def render_prompt(tokenizer, messages: list[dict], tools: ToolRequest | None = None) -> str:
+    """The prompt text of a conversation (from :func:`~turbo.serve.protocol.read_messages`) with the generation
+    prompt: the model's chat template with ``tools``, or the fallback of the module docs when the template does
+    not handle tools; without tools and tool messages exactly ``apply_chat_template(messages,
+    add_generation_prompt=True, tokenize=False)``. Raises :class:`~turbo.errors.InvalidRequest` (400) when the
+    tokenizer has no chat template or the template refuses the conversation."""
+    import jinja2
+
+    if not template_text(tokenizer):
+        raise InvalidRequest("the model's tokenizer has no chat template; use /v1/completions with a plain prompt")
+    kw: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
+    spec = tools.openai() if tools else None
+    try:
+        if tools is None and not any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            return tokenizer.apply_chat_template(messages, **kw)
+        if template_handles_tools(tokenizer, spec):
+            return tokenizer.apply_chat_template(messages, tools=spec, **kw)
+        return tokenizer.apply_chat_template(_fallback(messages, tools), **kw)
+    except jinja2.TemplateError as e:
+        raise InvalidRequest(f"the model's chat template refused this conversation: {e}") from None
+
+
+# --- the grammar of a forced call -----------------------------------------------------------------------------------
+
+_DATA_KEYS = ("const", "enum", "default", "examples")  # values that are data, not schemas
+
+
+def _rebase(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref`` pointers (``#...``) moved under ``base`` (where it now lives)."""
+    if isinstance(schema, list):
+        return [_rebase(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else v if k in _DATA_KEYS else _rebase(v, base)) for k, v in schema.items()}
+
+
+def _marker(text: str, tokenizer) -> str:
+    """A marker in Lark: the special token's id (``<[id]>``) when the tokenizer has it as one special token (its
+    bytes then never match text), else the string."""
+    if tokenizer is not None:
+        tid = tokenizer.get_added_vocab().get(text) if hasattr(tokenizer, "get_added_vocab") else None
+        special = getattr(getattr(tokenizer, "added_tokens_decoder", {}).get(tid), "special", False)
+        if tid is not None and (special or text in getattr(tokenizer, "all_special_tokens", ())):
+            return f"<[{tid}]>"
+    return json.dumps(text)
+
+
+def call_grammar(tools: ToolRequest, parser: str, tokenizer=None) -> str | None:
+    """Lark text (llguidance's dialect, for ``GenerationConfig(grammar=)``) that makes the whole reply tool calls in
+    ``parser``'s format: for ``tool_choice`` "required" one call (one or more with ``parallel_tool_calls``) of any
+    of the tools, for a named function exactly one call of it; ``None`` for "auto" and "none" (nothing forced).
+    Each call is a ``%json`` object ``{"name": <const>, "arguments": <the tool's parameters schema>}`` (llama3_json:
+    ``"parameters"``) with no other keys, written with ``", "`` / ``": "`` or compact separators and no other
+    whitespace. Hermes: ``<tool_call>\\n{...}\\n</tool_call>`` blocks joined by ``\\n``; llama3_json: objects
+    joined by ``"; "``; mistral: ``[TOOL_CALLS]`` then a JSON array. ``tokenizer`` (optional) lets a marker that is
+    a special token of the model be matched as that token. Unknown ``parser``: LiteturboError."""
+    ToolParser(parser)
+    if tools.choice not in ("required", "named"):
+        return None
+    chosen = [t for t in tools.tools if tools.choice == "required" or t.name == tools.named]
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    defs = {f"tool{i}": _rebase(t.parameters, f"#/$defs/tool{i}") for i, t in enumerate(chosen)}
+    calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: {"$ref": f"#/$defs/tool{i}"}},
+              "required": ["name", key], "additionalProperties": False} for i, t in enumerate(chosen)]
+    many = tools.choice == "required" and tools.parallel
+    if parser == "mistral":
+        array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if many else {"maxItems": 1})}
+        body = json.dumps({"x-guidance": _JSON_STYLE, "$defs": defs, **array}, ensure_ascii=False)
+        return f"start: {_marker('[TOOL_CALLS]', tokenizer)} \" \"? calls\ncalls: %json {body}\n"
+    body = json.dumps({"x-guidance": _JSON_STYLE, "$defs": defs, "anyOf": calls}, ensure_ascii=False)
+    if parser == "llama3_json":
+        return f"start: call{' (' + json.dumps('; ') + ' call)*' if many else ''}\ncall: %json {body}\n"
+    open_, close, nl = _marker("<tool_call>", tokenizer), _marker("</tool_call>", tokenizer), json.dumps("\n")
+    return (f"start: call{' (' + nl + ' call)*' if many else ''}\n"
+            f"call: {open_} {nl} body {nl} {close}\nbody: %json {body}\n")
+
+
+def finish_reason(engine_reason: str, calls: list, tools: ToolRequest | None = None) -> str:
+    """OpenAI's ``finish_reason`` of a reply: ``"tool_calls"`` when it made calls and ended on its own (stop), else
+    the engine's reason (``"length"`` stays: the last call's arguments may be cut off). A named ``tool_choice``
+    keeps ``"stop"``, as OpenAI (and vLLM) answer it."""
+    if calls and engine_reason == "stop" and not (tools is not None and tools.choice == "named"):
+        return "tool_calls"
+    return engine_reason
