@@ -70,20 +70,19 @@ def grammar_text(gen) -> tuple[str, str] | None:
     return None
 
 
-def check_grammar(gen) -> None:
-    """Raise ``InvalidRequest`` naming the field and llguidance's reason when ``gen``'s constraint does not compile
-    (needs no tokenizer). Nothing to do without a constraint."""
+def check_grammar(gen) -> tuple[str, str] | None:
+    """:func:`grammar_text` of ``gen``, checked: raises ``InvalidRequest`` naming the field and llguidance's reason
+    when the constraint does not compile (needs no tokenizer)."""
     import llguidance
     try:
         got = grammar_text(gen)
     except (ValueError, TypeError, RuntimeError) as e:
         raise InvalidRequest(f"the constraint does not compile: {e}") from None
-    if got is None:
-        return
-    grammar, field = got
-    err = llguidance.LLMatcher.validate_grammar(grammar)
-    if err:
-        raise InvalidRequest(f"{field} cannot be used for constrained decoding: {err.strip()}")
+    if got is not None:
+        err = llguidance.LLMatcher.validate_grammar(got[0])
+        if err:
+            raise InvalidRequest(f"{got[1]} cannot be used for constrained decoding: {err.strip()}")
+    return got
 
 
 class Guide:
@@ -92,8 +91,7 @@ class Guide:
 
     def __init__(self, gen, tokenizer, vocab_size: int) -> None:
         import llguidance
-        check_grammar(gen)
-        grammar, self.field = grammar_text(gen)
+        grammar, self.field = check_grammar(gen)
         self.vocab_size = vocab_size
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar)
         if self.matcher.is_error():
