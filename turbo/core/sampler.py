@@ -73,7 +73,8 @@ class RowSampling:
 
 @dataclass
 class Sampled:
-    """The token picked for one row, and its top log-probabilities (natural log) when the row asked for them."""
+    """The token picked for one row, and its top log-probabilities (natural log) when the row asked for them
+    (tokens masked out, by a constraint or as banned ids, are left out: fewer than asked for then)."""
 
     token_id: int
     logprobs: list[tuple[int, float]] | None = None
@@ -239,7 +240,8 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowSampling], row_index: S
     out = []
     for r, row in zip(rows, packed):
         n = r.logprobs
-        lp = [(int(i), v) for i, v in zip(row[1:1 + n], row[1 + k:1 + k + n])] if n else None
+        # tokens that were masked out (a constraint, banned ids) have no probability: not alternatives
+        lp = [(int(i), v) for i, v in zip(row[1:1 + n], row[1 + k:1 + k + n]) if v != _NEG_INF] if n else None
         out.append(Sampled(int(row[0]), lp))
     return _checked(out)
 

@@ -53,9 +53,9 @@ def _choice(v: Any, where: str) -> list[str]:
 def _grammar(v: Any, where: str) -> str:
     text = _text(v, where)
     if "::=" in text:  # GBNF (llama.cpp's, vLLM's xgrammar examples): llguidance converts it
-        import llguidance
+        from llguidance.gbnf_to_lark import gbnf_to_lark
         try:
-            return llguidance.gbnf_to_lark(text)
+            return gbnf_to_lark(text)
         except Exception as e:  # noqa: BLE001 - any reason it does not convert is the client's grammar
             raise APIError(400, f"'{where}' looks like GBNF but does not convert to Lark: {e}", param=where) from None
     return text
