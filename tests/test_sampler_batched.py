@@ -401,3 +401,21 @@ def test_logit_bias_is_added_after_the_penalties_and_shows_in_logprobs():
                      ({1: float("nan")}, "token 1 has nan"), ([1], "must map token ids"), ({1: True}, "True")):
         with pytest.raises(LiteturboError, match=why):
             GenerationConfig(logit_bias=bad)
+
+
+def test_token_mask_rows_mixed_with_free_rows():
+    """A constraint's mask (0 / -inf, float32) restricts only its row; a +inf logit it forbids gives no NaN."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, 16)
+    logits[1, 5] = float("inf")  # forbidden by row 1's mask: it must still sample among the allowed ones
+    mask = torch.full((16,), float("-inf"))
+    mask[[2, 7, 11]] = 0.0
+    rows = [RowSampling(logprobs=3), RowSampling(token_mask=mask, logprobs=5),
+            RowSampling(token_mask=mask, temperature=0.7, generator=gen(4))]
+    out = sample_batch(logits, rows)
+    assert out[0].token_id == int(logits[0].argmax())
+    assert out[1].token_id == [2, 7, 11][int(logits[1, [2, 7, 11]].argmax())]
+    assert {t for t, _ in out[1].logprobs} == {2, 7, 11}  # masked tokens are no alternatives
+    ref = torch.log_softmax(logits[1, [2, 7, 11]], -1)
+    assert sorted(v for _, v in out[1].logprobs) == pytest.approx(sorted(ref.tolist()), abs=1e-6)
+    assert out[2].token_id in (2, 7, 11)

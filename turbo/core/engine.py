@@ -244,7 +244,7 @@ class EngineCore:
             req.gen, generator=req.rng, output_ids=req.output_ids,
             prompt_ids=req.seq.token_ids[:req.prompt_len] if req.gen.repetition_penalty != 1.0 else (),
             banned_ids=req.stop_ids if len(req.output_ids) < req.gen.min_new_tokens and req.guide is None else (),
-            allowed=masks.get(row)) for row, req in ready]
+            token_mask=masks.get(row)) for row, req in ready]
         try:
             picks = sample_batch(logits, opts, [row for row, _ in ready])
         except Exception:  # some request's sampling failed: find it by sampling each row alone

@@ -3,8 +3,8 @@
 Per row, in this order (as vLLM/transformers apply them): repetition penalty (Keskar et al. 2019, CTRL: divide
 positive logits / multiply negative ones of tokens seen in prompt and output), presence and frequency penalties
 (OpenAI API semantics, on generated tokens), logit bias (OpenAI's ``logit_bias``: added), banned ids masked to
--inf (the engine's min_new_tokens: stop ids), the tokens a constraint does not allow masked to -inf (``allowed``: a
-grammar's mask, :mod:`turbo.core.guided`),
+-inf (the engine's min_new_tokens: stop ids), the tokens a constraint does not allow masked to -inf (``token_mask``:
+a grammar's mask, :mod:`turbo.core.guided`),
 the top log-probabilities of these logits when the row asks for them; then greedy (temperature 0: argmax) or
 temperature → top-k → top-p (Holtzman et al. 2020) → min-p → a draw.
 
@@ -36,8 +36,9 @@ class RowSampling:
 
     ``prompt_ids`` only matter with a repetition penalty, ``output_ids`` with any penalty; ``banned_ids`` are
     masked to -inf before everything else (the engine passes the stop ids until min_new_tokens exist).
-    ``logprobs``: also return the top-n log-probabilities. ``allowed``: bool ``[vocab]`` (CPU or the logits'
-    device), the tokens a constraint allows (``None``: all). ``generator`` draws this row's random numbers; it
+    ``logprobs``: also return the top-n log-probabilities. ``token_mask``: float32 ``[vocab]`` (CPU or the logits'
+    device), 0 for the tokens a constraint allows and ``-inf`` for the others, added to the logits (``None``: all
+    allowed). ``generator`` draws this row's random numbers; it
     must live on the logits' device (``None``: torch's default generator of that device)."""
 
     temperature: float = 0.0
@@ -53,7 +54,7 @@ class RowSampling:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: int = 0
     generator: torch.Generator | None = None
-    allowed: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None
 
     @classmethod
     def of(cls, gen, **kwargs) -> "RowSampling":
@@ -68,7 +69,7 @@ class RowSampling:
         """Whether the row's logits change before the draw (penalties or banned ids)."""
         return bool(self.repetition_penalty != 1.0 or (self.output_ids and (self.presence_penalty
                                                                             or self.frequency_penalty))
-                    or self.banned_ids or self.logit_bias or self.allowed is not None)
+                    or self.banned_ids or self.logit_bias or self.token_mask is not None)
 
 
 @dataclass
@@ -123,14 +124,15 @@ def _penalise_(x: torch.Tensor, rows: Sequence[RowSampling]) -> None:
     if ban_r:
         idx = torch.tensor([ban_r, ban_c], dtype=torch.long).to(dev)
         x[idx[0], idx[1]] = _NEG_INF
-    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
-    if masked:  # a constraint's mask: everything it does not allow is -inf
-        allowed = torch.stack([rows[i].allowed for i in masked]).to(dev, non_blocking=True)
+    masked = [i for i, r in enumerate(rows) if r.token_mask is not None]
+    if masked:  # a constraint's mask: 0 where it allows a token, -inf elsewhere (+inf logits clamped first: no NaN)
+        mask = torch.stack([rows[i].token_mask for i in masked]).to(dev, non_blocking=True)
+        big = torch.finfo(torch.float32).max
         if len(masked) == len(rows):
-            x.masked_fill_(~allowed, _NEG_INF)
+            x.clamp_(max=big).add_(mask)
         else:
             sel = torch.tensor(masked, dtype=torch.long).to(dev)
-            x[sel] = x.index_select(0, sel).masked_fill_(~allowed, _NEG_INF)
+            x[sel] = x.index_select(0, sel).clamp_(max=big).add_(mask)
 
 
 def _top_logprobs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
