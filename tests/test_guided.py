@@ -210,3 +210,16 @@ def test_empty_language_is_refused(byte_model):
     e = Engine(byte_model, dtype="float32", max_kv_tokens=512, block_size=16)
     with pytest.raises(LiteturboError):
         e.add_request("x", GenerationConfig(json_schema={"type": "string", "minLength": 5, "maxLength": 2}))
+
+
+def test_batch_invariant_and_stop_strings_with_a_constraint(byte_model):
+    e = Engine(byte_model, dtype="float32", max_kv_tokens=2048, block_size=16, batch_invariant=True)
+    gen = GenerationConfig(json_schema=SCHEMA, max_new_tokens=150)
+    alone = _run(e, [("name:", gen)])[0]
+    with_others = _run(e, [("the cat", GenerationConfig(max_new_tokens=20, ignore_eos=True)), ("name:", gen),
+                           ("yes no", GenerationConfig(regex="[a-z ]{5,30}", max_new_tokens=30))])[1]
+    assert alone.token_ids == with_others.token_ids and alone.finish_reason == "stop"
+    jsonschema.validate(json.loads(alone.text), SCHEMA)
+    # a stop string is the caller's own cut: it ends the reply there (before the constraint is complete)
+    cut = _run(e, [("name:", GenerationConfig(json_schema=SCHEMA, max_new_tokens=150, stop=['"age"']))])[0]
+    assert cut.finish_reason == "stop" and alone.text.startswith(cut.text) and '"age"' not in cut.text

@@ -234,6 +234,11 @@ def run_engine_process(spec: dict) -> None:
         proc.serve()
     finally:
         proc.close()
+    # leave without interpreter finalization: the front-watch thread is blocked reading stdin, and finalizing while a
+    # daemon thread holds stdin's buffer lock is a fatal error that left this process hanging (after a TP worker died)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -315,12 +315,13 @@ class MPClient:
     # --- stopping ------------------------------------------------------------------------------------------------
     def _stop_process(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:
-            try:
-                with self._send_lock:
-                    self._to.send(pickle.dumps(("shutdown",)))
-                self.proc.stdin.close()
-            except Exception:  # noqa: BLE001 - then it is terminated below
-                pass
+            for tell in (lambda: self._to.send(pickle.dumps(("shutdown",)), self.zmq.NOBLOCK),  # never blocks
+                         self.proc.stdin.close):
+                try:
+                    with self._send_lock:
+                        tell()
+                except Exception:  # noqa: BLE001 - a stuck engine process is terminated below
+                    pass
         for stop in (None, self.proc.terminate, self.proc.kill):
             if stop is not None and self.proc.poll() is None:
                 stop()
