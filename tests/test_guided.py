@@ -223,3 +223,40 @@ def test_batch_invariant_and_stop_strings_with_a_constraint(byte_model):
     # a stop string is the caller's own cut: it ends the reply there (before the constraint is complete)
     cut = _run(e, [("name:", GenerationConfig(json_schema=SCHEMA, max_new_tokens=150, stop=['"age"']))])[0]
     assert cut.finish_reason == "stop" and alone.text.startswith(cut.text) and '"age"' not in cut.text
+
+
+def test_many_choices_gbnf_and_short_errors(byte_model):
+    import time
+    e = Engine(byte_model, dtype="float32", max_kv_tokens=1024, block_size=16)
+    choices = [f"c{i}" for i in range(20000)] + ["café", "a.b|c", "(x)"]  # regex meta characters stay literal
+    t0 = time.perf_counter()
+    out = _run(e, [("pick:", GenerationConfig(choice=choices, max_new_tokens=12))])[0]
+    assert out.text in choices and out.finish_reason == "stop" and time.perf_counter() - t0 < 10
+    for c in ("a.b|c", "(x)"):
+        forced = _run(e, [("pick:", GenerationConfig(choice=[c], max_new_tokens=12))])[0]
+        assert forced.text == c
+    gbnf = _run(e, [("x", GenerationConfig(grammar='root ::= "yes" | "no" | "maybe"', max_new_tokens=8))])[0]
+    assert gbnf.text in ("yes", "no", "maybe") and gbnf.finish_reason == "stop"
+    with pytest.raises(InvalidRequest) as got:
+        e.add_request("x", GenerationConfig(grammar="root ::= (", max_new_tokens=8))
+    assert "GBNF" in str(got.value)
+    with pytest.raises(InvalidRequest) as got:  # llguidance's reason, without its parser-state dump
+        e.add_request("x", GenerationConfig(json_schema={"type": "string", "pattern": "(?=a)b"}))
+    assert "<state>" not in str(got.value) and len(str(got.value)) < 400
+
+
+def test_a_session_turn_that_fails_before_any_text_leaves_the_conversation(byte_model, monkeypatch):
+    e = Engine(byte_model, dtype="float32", max_kv_tokens=1024, block_size=16)
+    s = e.session(system="a test")
+    s.chat("first", max_new_tokens=3)
+    before = list(s.messages)
+
+    def refuse(self, token_id):
+        raise InvalidRequest(f"the {self.field} constraint refused token {token_id}")
+
+    monkeypatch.setattr(Guide, "consume", refuse)
+    with pytest.raises(InvalidRequest, match="refused token"):
+        s.chat("second", choice=["yes", "no"], max_new_tokens=3)
+    monkeypatch.undo()
+    assert s.messages == before and s.last.finish_reason == "error"
+    assert s.chat("second", choice=["yes", "no"], max_new_tokens=3) in ("yes", "no")

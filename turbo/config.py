@@ -310,7 +310,7 @@ class GenerationConfig:
     :mod:`turbo.core.guided`): json_schema: a JSON schema (a dict, ``True``, or its JSON text) the reply must
     match (``{"type": "object"}``: any JSON object, OpenAI's JSON mode); regex: a regular expression the whole
     reply matches; choice: the reply is exactly one of these strings; grammar: a Lark grammar in llguidance's
-    dialect. The grammar decides where a constrained reply ends (``min_new_tokens`` does not delay it); one
+    dialect, or a GBNF one (it has ``::=``; converted). The grammar decides where a constrained reply ends (``min_new_tokens`` does not delay it); one
     unfinished at ``max_new_tokens`` ends with ``length``; logprobs are those of the constrained distribution.
     Raises ``LiteturboError`` naming the option for a wrong type or a value out of range.
     """

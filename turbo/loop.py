@@ -168,6 +168,8 @@ class EngineLoop:
         here, on the caller's thread) and ``OverCapacity`` when too many requests wait. ``sink``: see
         :class:`RequestHandle` (the handle's items go there instead of its queue)."""
         self._check_capacity()
+        with _typed():
+            self.engine.prepare_constraint(gen)  # compiled outside the engine's lock: steps go on meanwhile
         with self.engine.lock, _typed():
             req = self.engine.add_request(prompt, gen or GenerationConfig(), priority=priority)
             return self._register(RequestHandle(self, req, sink=sink))
@@ -178,6 +180,8 @@ class EngineLoop:
         are batched the same way every time; raises as :meth:`submit` (then none is queued)."""
         self._check_capacity()
         handles: list[RequestHandle] = []
+        with _typed():
+            self.engine.prepare_constraint(gens[0] if gens else None)  # outside the lock, as in submit
         with self.engine.lock, _typed():
             try:
                 for gen in gens:

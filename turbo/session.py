@@ -113,7 +113,9 @@ class Session:
             self.engine.cancel(req)
             out = self.engine.output(req)
         reply = out.text if out.token_ids else "".join(pieces)
-        if out.token_ids or pieces:
+        # a failed turn is kept only with the text its client already saw; one that failed before any text (e.g. its
+        # constraint refused the first token) leaves the conversation as it was
+        if (out.token_ids or pieces) if out.finish_reason != "error" else reply:
             self.messages = messages + [{"role": "assistant", "content": reply}]
         if out.finish_reason == "error" or not (out.token_ids or pieces):
             # a failed turn's tokens and K/V must not poison the next turns, and a turn that produced nothing

@@ -110,6 +110,13 @@ class EngineCore:
             self.scheduler.add(seq)
             return req
 
+    def prepare_constraint(self, gen: GenerationConfig) -> None:
+        """Compile ``gen``'s constraint into the cache :meth:`add_request` copies from (see
+        :func:`turbo.core.guided.compiled`), so that a caller holding the engine's lock, or the loop's thread, does not
+        compile it. Raises ``InvalidRequest`` for a constraint that does not compile; nothing without one."""
+        if isinstance(gen, GenerationConfig) and gen.constrained:
+            Guide(gen, self.tokenizer, self.vocab_size)
+
     def _prefilling(self, ids: list[int]) -> Sequence | None:
         """A sequence still computing exactly the prompt ``ids`` (so a new request for it waits and then reuses its
         KV blocks from the prefix cache: the ``n`` choices of one request share the prompt's prefill), else

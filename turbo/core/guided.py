@@ -12,15 +12,17 @@ more tokens (:attr:`Guide.stopped`) the request ends with ``stop``. A constraint
 The grammar dialects are llguidance's: JSON schema (with its ``x-guidance`` options; by default here compact JSON
 without whitespace: a small model given free whitespace can spend its tokens on newlines; a schema's own
 ``x-guidance`` object overrides this), regex (Rust ``regex`` syntax, anchored at both ends), Lark (llguidance's
-dialect, with ``%json{...}`` for inline schemas) and a choice (a list of exact strings). Masks are bitmasks:
+dialect, with ``%json{...}`` for inline schemas; GBNF, recognised by ``::=``, is converted to it) and a choice (a
+list of exact strings, compiled as one regex). Compiled grammars are cached (:func:`compiled`); llguidance's errors
+reach the caller without its parser-state dumps. Masks are bitmasks:
 int32 ``[ceil(vocab / 32)]`` per row, bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed
 (llguidance's layout). Source: https://github.com/guidance-ai/llguidance.
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -62,12 +64,35 @@ def grammar_text(gen) -> tuple[str, str] | None:
         return llguidance.LLMatcher.grammar_from_json_schema(schema), "json_schema"
     if gen.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(gen.regex), "regex"
-    if gen.choice is not None:  # one Lark rule of the exact strings (JSON escapes are Lark's string escapes)
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in gen.choice)), \
-            "choice"
+    if gen.choice is not None:  # one regex of the escaped strings: compiles lazily, thousands of choices are cheap
+        return llguidance.LLMatcher.grammar_from_regex("|".join(_escape(c) for c in gen.choice)), "choice"
     if gen.grammar is not None:
-        return llguidance.LLMatcher.grammar_from_lark(gen.grammar), "grammar"
+        text = gen.grammar
+        if "::=" in text:  # GBNF (llama.cpp's, vLLM's xgrammar examples): llguidance converts it to its Lark
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+            try:
+                text = gbnf_to_lark(text)
+            except Exception as e:  # noqa: BLE001 - any reason it does not convert is the caller's grammar
+                raise InvalidRequest(f"grammar looks like GBNF (it has ::=) but does not convert to Lark: "
+                                     f"{_reason(str(e))}") from None
+        return llguidance.LLMatcher.grammar_from_lark(text), "grammar"
     return None
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def _escape(text: str) -> str:
+    """``text`` as a literal in llguidance's regex syntax (Rust's ``regex``: every meta character escaped)."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def _reason(msg: str) -> str:
+    """llguidance's error without its parser-state and backtrace dumps (the first lines, at most 300 characters)."""
+    for cut in ("\n<state>", "\n<grammar>", "\n<backtrace>", "\nstack backtrace"):
+        msg = msg.split(cut)[0]
+    msg = msg.strip()
+    return msg if len(msg) <= 300 else msg[:297] + "..."
 
 
 def check_grammar(gen) -> tuple[str, str] | None:
@@ -77,12 +102,40 @@ def check_grammar(gen) -> tuple[str, str] | None:
     try:
         got = grammar_text(gen)
     except (ValueError, TypeError, RuntimeError) as e:
-        raise InvalidRequest(f"the constraint does not compile: {e}") from None
+        raise InvalidRequest(f"the constraint does not compile: {_reason(str(e))}") from None
     if got is not None:
         err = llguidance.LLMatcher.validate_grammar(got[0])
         if err:
-            raise InvalidRequest(f"{got[1]} cannot be used for constrained decoding: {err.strip()}")
+            raise InvalidRequest(f"{got[1]} cannot be used for constrained decoding: {_reason(err)}")
     return got
+
+
+_COMPILED: OrderedDict = OrderedDict()  # (tokenizer, vocab, grammar) -> (a fresh matcher to copy, field)
+_CACHE_SIZE = 64
+
+
+def compiled(gen, tokenizer, vocab_size: int):
+    """``(a fresh llguidance matcher, field)`` for ``gen``'s constraint: compiled once per grammar (the last
+    :data:`_CACHE_SIZE` are kept) and deep-copied for each request, so the ``n`` choices of a request, or a
+    schema an agent sends every turn, compile once. Raises ``InvalidRequest`` for a constraint that does not
+    compile."""
+    import llguidance
+    grammar, field = check_grammar(gen)
+    lt = ll_tokenizer(tokenizer, vocab_size)
+    key = (id(lt), vocab_size, grammar)
+    with _LOCK:
+        got = _COMPILED.get(key)
+        if got is not None:
+            _COMPILED.move_to_end(key)
+            return got[0].deep_copy(), field
+    matcher = llguidance.LLMatcher(lt, grammar)
+    if matcher.is_error():
+        raise InvalidRequest(f"{field} cannot be used for constrained decoding: {_reason(matcher.get_error())}")
+    with _LOCK:
+        _COMPILED[key] = (matcher, field)
+        while len(_COMPILED) > _CACHE_SIZE:
+            _COMPILED.popitem(last=False)
+    return matcher.deep_copy(), field
 
 
 class Guide:
@@ -90,12 +143,8 @@ class Guide:
     from the constructor for a constraint that does not compile."""
 
     def __init__(self, gen, tokenizer, vocab_size: int) -> None:
-        import llguidance
-        grammar, self.field = check_grammar(gen)
+        self.matcher, self.field = compiled(gen, tokenizer, vocab_size)
         self.vocab_size = vocab_size
-        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar)
-        if self.matcher.is_error():
-            raise InvalidRequest(f"{self.field} cannot be used for constrained decoding: {self.matcher.get_error()}")
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token bitmask of the next token into int32 ``bitmask[row]`` (contiguous, on the CPU)."""
@@ -108,7 +157,7 @@ class Guide:
             return
         if not self.matcher.consume_token(token_id) or self.matcher.is_error():
             raise InvalidRequest(f"the {self.field} constraint refused token {token_id}: "
-                                 f"{self.matcher.get_error() or 'not allowed here'}")
+                                 f"{_reason(self.matcher.get_error()) or 'not allowed here'}")
 
     @property
     def stopped(self) -> bool:

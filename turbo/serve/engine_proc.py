@@ -165,6 +165,13 @@ class EngineProcess:
     # --- the main thread ---------------------------------------------------------------------------------------------
     def dispatch(self, msg: tuple) -> None:
         kind = msg[0]
+        gen = {"submit": 3, "chat": 4, "submit_many": 3}.get(kind)
+        if gen is not None:  # compile a constraint here, not on the loop's thread between steps
+            gens = msg[gen] if kind == "submit_many" else [msg[gen]]
+            try:
+                self.engine.prepare_constraint(gens[0] if gens else None)
+            except Exception:  # noqa: BLE001 - add_request raises it again, and the caller gets it
+                pass
         if kind == "submit":
             self.loop.call_soon(lambda: self.submit(*msg[1:]))
         elif kind == "submit_many":

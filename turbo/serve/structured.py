@@ -5,8 +5,8 @@ Accepted, at most one per request (each a 400 naming the field when malformed or
 - OpenAI's ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any JSON object)
   or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}``;
 - vLLM's extras: ``guided_json`` (a schema, or its JSON text), ``guided_regex``, ``guided_choice`` (a list of
-  strings), ``guided_grammar`` (Lark in llguidance's dialect; GBNF, recognised by ``::=``, is converted by
-  llguidance's ``gbnf_to_lark``), ``guided_decoding_backend`` (only ``auto``/``llguidance``/``guidance``: the one
+  strings), ``guided_grammar`` (Lark in llguidance's dialect; GBNF, recognised by ``::=``, is converted by the
+  engine), ``guided_decoding_backend`` (only ``auto``/``llguidance``/``guidance``: the one
   backend here), and the newer ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
   ``json_object``).
 
@@ -51,14 +51,7 @@ def _choice(v: Any, where: str) -> list[str]:
 
 
 def _grammar(v: Any, where: str) -> str:
-    text = _text(v, where)
-    if "::=" in text:  # GBNF (llama.cpp's, vLLM's xgrammar examples): llguidance converts it
-        from llguidance.gbnf_to_lark import gbnf_to_lark
-        try:
-            return gbnf_to_lark(text)
-        except Exception as e:  # noqa: BLE001 - any reason it does not convert is the client's grammar
-            raise APIError(400, f"'{where}' looks like GBNF but does not convert to Lark: {e}", param=where) from None
-    return text
+    return _text(v, where)  # Lark, or GBNF (the engine converts it, see turbo.core.guided)
 
 
 def _response_format(v: Any) -> dict:
