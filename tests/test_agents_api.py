@@ -470,3 +470,64 @@ def test_engine_process_serves_n_guided_and_refuses_a_bad_schema(smollm2_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def test_session_turns_call_tools_and_take_tool_results(app, http):
+    """Tools on the sessions API: a turn with tools and tool_choice required answers tool_calls (streamed the same),
+    a tool-result turn (role tool) is rendered with the session's tools into the prompt, statelessly equal, and the
+    session reuses its KV; the chat completions session path takes a tool message too."""
+    tok = app.state.engine.tokenizer
+    turn = {"content": "What's the weather in Paris?", "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
+            "temperature": 0}
+    sids = [http.post("/v1/sessions", json={}).json()["id"] for _ in range(2)]
+    body = http.post(f"/v1/sessions/{sids[0]}/chat", json=turn).json()
+    calls = body["tool_calls"]
+    assert body["finish_reason"] == "tool_calls" and body["content"] is None and calls
+    for c in calls:
+        jsonschema.validate(json.loads(c["function"]["arguments"]), PARAMS[c["function"]["name"]])
+    chunks = sse(http.post(f"/v1/sessions/{sids[1]}/chat", json=dict(turn, stream=True)))
+    got: dict[int, list[str]] = {}
+    for ch in chunks:
+        for tc in ch.get("tool_calls", []):
+            g = got.setdefault(tc["index"], ["", ""])
+            g[0] += tc.get("function", {}).get("name", "")
+            g[1] += tc.get("function", {}).get("arguments", "")
+    assert [(n, json.loads(a)) for n, a in got.values()] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    # the tool's result, on a turn without tools: the session renders its tools again
+    res = http.post(f"/v1/sessions/{sids[0]}/chat", json={"role": "tool", "tool_call_id": calls[0]["id"],
+                                                          "content": '{"temp": 18}', "max_tokens": 8,
+                                                          "temperature": 0}).json()
+    info = http.get(f"/v1/sessions/{sids[0]}").json()
+    msgs = info["messages"]
+    assert msgs[-2] == {"role": "tool", "content": '{"temp": 18}', "tool_call_id": calls[0]["id"]}
+    want = encode(tok, tools.render_prompt(tok, msgs[:-1], tools.read_tools(TOOLS)), add_special_tokens=False)
+    assert res["usage"]["prompt_tokens"] == len(want) and "<tool_response>" in tok.decode(want)
+    assert res["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # the chat completions spelling of the same turn: the last message is the tool's result
+    r = http.post("/v1/chat/completions", json={"session_id": sids[1], "max_tokens": 4, "messages": [
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temp": 18}'}]})
+    assert r.status_code == 200, r.text
+    for bad in ({"content": "x", "role": "tool"}, {"content": "x", "tool_call_id": "call_1"},
+                {"content": "x", "role": "system"}):
+        error(http.post(f"/v1/sessions/{sids[0]}/chat", json=bad), 400)
+
+
+def test_library_session_keeps_its_tools_across_turns_and_a_save(smollm2_path, tmp_path):
+    from turbo.chat_render import render_prompt
+    engine = Engine(smollm2_path, EngineConfig(dtype="float32", max_kv_tokens=2048, block_size=BLOCK))
+    tok = engine.tokenizer
+    s = engine.session(system="Be brief.")
+    s.chat("What's the weather in Paris?", tools=TOOLS, max_new_tokens=6)
+    s.chat("And in Rome?", max_new_tokens=6)  # no tools given: the session's stay in the prompt
+    assert s.tools == TOOLS
+    want = encode(tok, render_prompt(tok, s.messages[:-1], TOOLS), add_special_tokens=False)
+    assert s.last.prompt_tokens == len(want) and s.last.cached_tokens > 0
+    s.chat('{"temp": 18}', tool_call_id="call_x", max_new_tokens=4)
+    assert s.messages[-2] == {"role": "tool", "content": '{"temp": 18}', "tool_call_id": "call_x"}
+    s.save(tmp_path / "s")
+    back = engine.load_session(tmp_path / "s")
+    assert back.tools == TOOLS and back.messages == s.messages
+    with pytest.raises(Exception, match="tools must be a list"):
+        s.chat("x", tools={"name": "f"})

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from lite.formats import LiteturboError, make_dirs
 
+from .chat_render import render_prompt
 from .config import GenerationConfig, generation_config
 from .core.engine import EngineCore
 from .core.request import GenerationOutput, Request
@@ -44,10 +45,16 @@ class Session:
         self.closed = False
         self.busy = False
         self.last: GenerationOutput | None = None
+        self.tools: list[dict] | None = None  # OpenAI's tools list the turns are rendered with (turbo.chat_render)
+        self._turn_tools: list[dict] | None = None  # the running turn's, kept once it is recorded
 
     def chat(self, message: str, stream: bool = False, gen: GenerationConfig | None = None, priority: int = 0,
-             **kwargs):
+             tools: list[dict] | None = None, tool_call_id: str | None = None, **kwargs):
         """Send a user message. Returns the reply text, or with ``stream=True`` an iterator of text pieces.
+
+        ``tools`` (OpenAI's ``tools`` list) are rendered into this and later turns (see :mod:`turbo.chat_render`;
+        ``[]`` removes them); the reply is the model's text, tool-call markup included. ``tool_call_id``: the message
+        is the result of that tool call (a ``tool`` message) instead of the user's.
 
         ``self.last`` holds the :class:`GenerationOutput` of the latest turn (tokens, timings, cache hits).
         Raises ``LiteturboError`` for a closed or busy session, an empty message, or a conversation longer
@@ -61,7 +68,7 @@ class Session:
         if not message.strip():
             raise LiteturboError("the message is empty: type some text")
         gen = generation_config(gen, kwargs)
-        it = self._turn(message, gen, priority)
+        it = self._turn(message, gen, priority, tools, tool_call_id)
         if stream:
             return it
         return "".join(it)
@@ -71,9 +78,10 @@ class Session:
             raise Conflict("a reply is still being generated on this session; wait for it to finish, or stop it (close "
                            "the stream / disconnect), or use another session")
 
-    def _turn(self, message: str, gen: GenerationConfig, priority: int) -> Iterator[str]:
-        req, messages = self.begin_turn(message, gen, priority)  # runs at the first next(): a stream never
-        pieces: list[str] = []                                    # started holds nothing
+    def _turn(self, message: str, gen: GenerationConfig, priority: int, tools, tool_call_id) -> Iterator[str]:
+        # runs at the first next(): a stream never started holds nothing
+        req, messages = self.begin_turn(message, gen, priority, tools, tool_call_id)
+        pieces: list[str] = []
         out = None
         try:
             for item in self.engine.drive(req):
@@ -85,18 +93,31 @@ class Session:
         finally:
             self.end_turn(req, messages, out, pieces)
 
-    def begin_turn(self, message: str, gen: GenerationConfig, priority: int = 0) -> tuple[Request, list[dict]]:
+    def begin_turn(self, message: str, gen: GenerationConfig, priority: int = 0, tools: list[dict] | None = None,
+                   tool_call_id: str | None = None) -> tuple[Request, list[dict]]:
         """Mark the session busy and queue its next turn: the request and the conversation it answers. Whoever drives
         the request (this session's stream, or :class:`turbo.loop.EngineLoop`) must call :meth:`end_turn` after.
-        Raises ``Conflict`` for a busy session, ``InvalidRequest`` for a closed one or a bad prompt."""
+        ``tools`` / ``tool_call_id``: see :meth:`chat` (the tools are kept once the turn is recorded). Raises
+        ``Conflict`` for a busy session, ``InvalidRequest`` for a closed one, bad tools or a bad prompt."""
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequest("tools must be a list of OpenAI tool objects ({'type': 'function', 'function': ...})")
+        if tool_call_id is not None and (not isinstance(tool_call_id, str) or not tool_call_id):
+            raise InvalidRequest("tool_call_id must be the id of the tool call this message answers")
         with self.engine.lock:
             if self.closed:
                 raise InvalidRequest("this session is closed; open a new one with engine.session()")
             self._check_idle()
             self.busy = True
         try:
-            messages = self.messages + [{"role": "user", "content": message}]
-            ids = self.engine.chat_template_ids(messages)
+            new = {"role": "user", "content": message} if tool_call_id is None else \
+                {"role": "tool", "content": message, "tool_call_id": tool_call_id}
+            messages = self.messages + [new]
+            self._turn_tools = self.tools if tools is None else (tools or None)
+            if self._turn_tools or any(m["role"] == "tool" for m in messages):
+                text = render_prompt(self.engine.tokenizer, messages, self._turn_tools)
+                ids = self.engine.encode(text, add_special_tokens=False)
+            else:
+                ids = self.engine.chat_template_ids(messages)
             req = self.engine.add_request(ids, gen, priority=priority, seq=self.seq)
         except BaseException:
             self.busy = False
@@ -117,6 +138,7 @@ class Session:
         # constraint refused the first token) leaves the conversation as it was
         if (out.token_ids or pieces) if out.finish_reason != "error" else reply:
             self.messages = messages + [{"role": "assistant", "content": reply}]
+            self.tools = self._turn_tools
         if out.finish_reason == "error" or not (out.token_ids or pieces):
             # a failed turn's tokens and K/V must not poison the next turns, and a turn that produced nothing
             # (cancelled while its prompt was computed) must not keep its prompt's blocks: drop the token history
@@ -146,7 +168,7 @@ class Session:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
             n = self.seq.num_computed if include_kv else 0
-            meta = {"format": "liteturbo-session/1", "system": self.system, "messages": self.messages,
+            meta = {"format": "liteturbo-session/1", "system": self.system, "messages": self.messages, "tools": self.tools,
                     "token_ids": self.seq.token_ids, "kv_tokens": n, "model_fingerprint": self.engine.fingerprint(),
                     "kv_storage": self.engine.kv_storage, "tensor_parallel_size": self.engine.tensor_parallel_size}
             if n:
@@ -203,8 +225,11 @@ def load_session(engine: EngineCore, path: str | Path) -> Session:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size
             for t in token_ids):
         raise LiteturboError(f"{bad}: 'token_ids' must be a list of token ids of this model's vocabulary")
+    tools = meta.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise LiteturboError(f"{bad}: 'tools' must be a list of tool objects or null")
     s = Session(engine, system)
-    s.messages = list(messages)
+    s.messages, s.tools = list(messages), tools
     s.seq.token_ids = list(token_ids)
     if s.seq.token_ids:
         engine.check_prompt(s.seq.token_ids, session=True)

@@ -252,11 +252,14 @@ async def chat_completions(request: Request):
         handles = await run_in_threadpool(lambda: submit_choices(c, s.chat_ids(req.messages, req.tools), gen, req.n))
         return await respond(request, job, handles)
     stored = await on_session(s, c.check_session, req.session_id)  # 404 first
-    if req.messages[-1]["role"] != "user" or req.tools is not None:
-        raise APIError(400, "with 'session_id' the last message must be the user's new message (the "
-                            "session keeps the earlier ones), without 'tools'", param="messages")
-    gen = s.gen(s.defaults(req.session_id, stored)[0], req.sampling, want_lp)
-    handle = await on_session(s, c.submit_chat, req.session_id, req.messages[-1]["content"], gen, s.persist)
+    last = req.messages[-1]
+    if last["role"] not in ("user", "tool"):
+        raise APIError(400, "with 'session_id' the last message must be the new one, the user's or a tool's result "
+                            "(the session keeps the earlier ones)", param="messages")
+    gen = s.gen(s.defaults(req.session_id, stored)[0], req.sampling, s.tool_constraint(req.tools, req.sampling),
+                want_lp)
+    handle = await on_session(s, c.submit_chat, req.session_id, last["content"], gen, s.persist,
+                              req.tools.openai() if req.tools else None, last.get("tool_call_id"))
     return await respond(request, job, [handle])
 
 
@@ -291,9 +294,13 @@ async def session_chat(sid: str, request: Request):
     s = served(request)
     stored = await on_session(s, s.client.check_session, sid)  # 404 before reading the body
     turn = protocol.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
-    gen = s.gen(s.defaults(sid, stored)[0], turn.sampling)
-    handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist)
-    return await respond(request, Job("session", s.model_id, turn.stream, session_id=sid), [handle])
+    gen = s.gen(s.defaults(sid, stored)[0], turn.sampling, s.tool_constraint(turn.tools, turn.sampling))
+    handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist,
+                              turn.tools.openai() if turn.tools else None, turn.tool_call_id)
+    reads = turn.tools if turn.tools is not None and turn.tools.parses else None
+    job = Job("session", s.model_id, turn.stream, session_id=sid, tools=reads,
+              tool_parser=s.tool_parser if reads else None)
+    return await respond(request, job, [handle])
 
 
 @v1.get("/sessions/{sid}")

@@ -10,7 +10,7 @@ pickled tuples (a local, trusted pipe between two processes of one server):
 
 front -> engine
     ``("submit", rid, prompt_ids, gen, priority)``, ``("submit_many", rids, prompt_ids, gens, priority)`` (a
-    request's ``n`` choices, queued together), ``("chat", rid, session_id, message, gen, persist)``,
+    request's ``n`` choices, queued together), ``("chat", rid, session_id, message, gen, persist, tools, tool_call_id)``,
     ``("cancel", rid)``, ``("call", cid, method, args)`` (sessions and stats), ``("shutdown",)``.
 engine -> front
     ``("ready", facts)`` or ``("failed", message)`` once at start; ``("ack", rid, stop_ids, error)`` per
@@ -125,11 +125,12 @@ class EngineProcess:
             self.handles[rid] = h
             self.send(("ack", rid, sorted(h.request.stop_ids), None))
 
-    def chat(self, rid: int, sid: str, message: str, gen, persist: bool) -> None:
+    def chat(self, rid: int, sid: str, message: str, gen, persist: bool, tools=None, tool_call_id=None) -> None:
         def go():
             session = self.sessions.get(sid)
             on_end = (lambda: self.sessions.persist(sid)) if persist else None
-            return self.loop.submit_chat(session, message, gen, 0, on_end, sink=self.sink)
+            return self.loop.submit_chat(session, message, gen, 0, on_end, sink=self.sink, tools=tools,
+                                         tool_call_id=tool_call_id)
         self._start(rid, go)
 
     # --- calls (on the loop thread, between steps) -------------------------------------------------------------------------------------

@@ -210,10 +210,11 @@ class MPClient:
             raise
         return handles
 
-    def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False) -> RemoteHandle:
+    def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False,
+                    tools: list[dict] | None = None, tool_call_id: str | None = None) -> RemoteHandle:
         """Queue session ``sid``'s next turn (see :meth:`InprocClient.submit_chat`)."""
         rid = next(self._ids)
-        return self._open(("chat", rid, sid, message, gen, persist), rid)
+        return self._open(("chat", rid, sid, message, gen, persist, tools, tool_call_id), rid)
 
     def session_create(self, system: str | None = None, session_id: str | None = None,
                        defaults: dict | None = None) -> str:

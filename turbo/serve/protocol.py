@@ -294,7 +294,7 @@ def _text_content(content: Any, where: str) -> str:
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def read_messages(raw: Any) -> list[dict]:
+def read_messages(raw: Any, link: bool = True) -> list[dict]:
     """Validated ``messages`` as ``[{"role", "content": str}]`` (``developer`` becomes ``system``); assistant tool
     calls and tool results as :func:`turbo.serve.tools.read_tool_message` reads them."""
     if not isinstance(raw, list) or not raw:
@@ -319,7 +319,8 @@ def read_messages(raw: Any) -> list[dict]:
                                 f"(and tool_calls on assistant messages; names are not implemented)",
                            param="messages")
         out.append({"role": _ROLES[role], "content": _text_content(m.get("content"), where)})
-    tools.link_tool_messages(out)
+    if link:  # a session's new tool message answers a call the session holds, not one of these messages
+        tools.link_tool_messages(out)
     return out
 
 
@@ -381,22 +382,25 @@ class NewSession:
 
 @dataclass
 class Turn:
-    """A checked ``POST /v1/sessions/{id}/chat``: the user's message."""
+    """A checked ``POST /v1/sessions/{id}/chat``: the user's message, or (``tool_call_id``) a tool's result; the
+    turn's tools (``None``: the session keeps the ones it had)."""
 
     content: str
     stream: bool
     sampling: dict
+    tools: tools.ToolRequest | None = None
+    tool_call_id: str | None = None
 
 
 def read_chat(data: dict, model_id: str) -> ChatRequest:
     """A chat completion request's fields (400 / 404 naming the field)."""
     b = Body(data, "a chat completion request")
     stream, include_usage, n = read_common(b, model_id, chat=True)
-    messages = read_messages(b.raw("messages"))
+    sid = b.str("session_id")
+    messages = read_messages(b.raw("messages"), link=sid is None)
     want_lp, top = b.bool("logprobs"), b.int("top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if top is not None and not want_lp:
         raise APIError(400, "'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
-    sid = b.str("session_id")
     if sid is not None and n > 1:
         raise APIError(400, "'n' > 1 cannot continue a session (one history, one reply); leave out session_id or n",
                        param="n")
@@ -440,6 +444,15 @@ def read_turn(data: dict, model_id: str) -> Turn:
         raise APIError(400, "'content' must be a non-empty string: the user's message", param="content")
     check_model(b, model_id)
     stream = bool(b.bool("stream"))
+    role = b.raw("role", "user")
+    if role not in ("user", "tool"):
+        raise APIError(400, "'role' must be \"user\" (the default) or \"tool\" (a tool's result, with "
+                            "'tool_call_id')", param="role")
+    call_id = b.str("tool_call_id")
+    if (role == "tool") != bool(call_id):
+        raise APIError(400, "a tool result turn has \"role\": \"tool\" and the 'tool_call_id' it answers; a user "
+                            "turn has neither", param="tool_call_id")
     g = read_sampling(b) | read_constraint(b)
+    calls = tools.read_tools(b.raw("tools"), b.raw("tool_choice"), b.raw("parallel_tool_calls"))
     b.done()
-    return Turn(content, stream, g)
+    return Turn(content, stream, g, calls, call_id)

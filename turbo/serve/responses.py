@@ -152,9 +152,10 @@ def usage(outs: list[GenerationOutput]) -> dict:
 def reply_body(job: Job, outs: list[GenerationOutput], tokens: Tokens, handles: list[RequestHandle]) -> dict:
     """The JSON answer of a finished, non-streamed job (one choice per output)."""
     if job.kind == "session":
-        out = outs[0]
+        message, finish = job.message(outs[0])
+        calls = {"tool_calls": message["tool_calls"]} if "tool_calls" in message else {}
         return {"id": job.id, "object": "session.turn", "created": job.created, "model": job.model,
-                "session_id": job.session_id, "content": out.text, "finish_reason": out.finish_reason,
+                "session_id": job.session_id, "content": message["content"], **calls, "finish_reason": finish,
                 "usage": usage(outs)}
     choices = []
     for i, (out, handle) in enumerate(zip(outs, handles)):
@@ -186,8 +187,6 @@ class _Choice:
         self.chars += len(piece)
         text_len = len(self.handle.output.text) if end is not None else self.chars
         lp, self.sent = logprob_entries(job.logprobs, tokens, self.handle, self.sent, end, self.offsets, text_len)
-        if job.kind == "session":
-            return [dict(base, delta=piece, finish_reason=None)] if piece else []
         if job.kind == "completion":
             choices = [{"index": self.index, "text": piece, "logprobs": lp, "finish_reason": None}]
             return [dict(base, choices=choices, **({"usage": None} if job.include_usage else {}))] \
@@ -200,6 +199,9 @@ class _Choice:
             if self.reader.repeated and not self.stopped:
                 self.stopped = True
                 self.handle.cancel()
+        if job.kind == "session":  # its chunks carry the text as "delta", and tool calls beside it
+            return [dict(base, delta=d.get("content", ""), **({"tool_calls": d["tool_calls"]} if "tool_calls" in d
+                                                              else {}), finish_reason=None) for d in deltas]
         if lp and not deltas:
             deltas = [{}]
         out = []
@@ -212,9 +214,9 @@ class _Choice:
     def final(self) -> dict:
         """The chunk with the finish reason."""
         job, out, base = self.job, self.handle.output, _chunk_base(self.job)
-        if job.kind == "session":
-            return dict(base, delta="", finish_reason=out.finish_reason, usage=usage([out]))
         finish = job.finish("stop" if self.stopped else out.finish_reason, self.called)
+        if job.kind == "session":
+            return dict(base, delta="", finish_reason=finish, usage=usage([out]))
         key = {"delta": {}} if job.kind == "chat" else {"text": ""}
         lp = None if job.logprobs is None else ({"content": []} if job.kind == "chat" else None)
         choice = {"index": self.index, **key, "logprobs": lp, "finish_reason": finish}

@@ -6,15 +6,10 @@ forces a call, and the finish reason. It follows OpenAI's semantics, and vLLM's 
 - :func:`read_tool_message` and :func:`link_tool_messages` read assistant messages with ``tool_calls`` and ``tool``
   messages into the dicts chat templates take (Hugging Face's convention; ``arguments`` as a dict);
   :func:`~turbo.serve.protocol.read_messages` calls them.
-- :func:`render_prompt` renders a conversation. A chat template that handles tools (its text mentions ``tools``)
-  gets them itself. A template without tool support (SmolLM2's, the default model's) gets the **fallback**: the
-  tools are listed as JSON, one per line inside ``<tools></tools>``, in a system message (after the user's own
-  system message when there is one), with the instruction to answer a call as
-  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (the Hermes format, which the ``hermes``
-  parser reads); earlier assistant calls are written the same way into the assistant's text, and tool results
-  become user messages holding ``<tool_response>\\n...\\n</tool_response>`` blocks (consecutive results in one
-  message). Then the model's own template renders the result. With ``tool_choice: "none"`` the tools are still in
-  the prompt (as vLLM does by default) but the reply is not read for calls (``ToolRequest.parses``).
+- :func:`render_prompt` renders a conversation with a request's tools: :func:`turbo.chat_render.render_prompt`
+  (the chat template when it handles tools, else the documented Hermes-style fallback, SmolLM2's case). With
+  ``tool_choice: "none"`` the tools are still in the prompt (as vLLM does by default) but the reply is not read for
+  calls (``ToolRequest.parses``).
 - :func:`choose_parser` picks the reply format from the chat template (or ``--tool-call-parser``); the parsers
   are :mod:`turbo.serve.tool_parsers` (:class:`ToolParser`, :class:`ToolCall` re-exported here).
 - :func:`call_grammar` is the Lark grammar (llguidance's dialect) that forces a call for ``tool_choice``
@@ -29,7 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import InvalidRequest
+from .. import chat_render
+from ..chat_render import template_handles_tools, template_text  # noqa: F401 - this module's API too
 from .responses import APIError
 from .tool_parsers import PARSERS, ToolCall, ToolParser
 
@@ -44,14 +40,6 @@ _CHOICES = ("none", "auto", "required")
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
 # the chat template text that tells which format a model was trained on
 _TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
-
-
-def template_text(tokenizer) -> str:
-    """The tokenizer's chat template text ("" when it has none; several named templates are joined)."""
-    t = getattr(tokenizer, "chat_template", None)
-    if isinstance(t, dict):
-        return "\n".join(v for v in t.values() if isinstance(v, str))
-    return t if isinstance(t, str) else ""
 
 
 def choose_parser(tokenizer, explicit: str | None = None) -> str:
@@ -278,71 +266,9 @@ def link_tool_messages(messages: list[dict]) -> None:
 
 # --- the prompt ------------------------------------------------------------------------------------------------------
 
-_FALLBACK = (
-    "# Tools\n\nYou may call functions to help with the user's request. The functions are listed as JSON inside "
-    "<tools></tools>:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer with a JSON object holding its "
-    "name and its arguments inside <tool_call></tool_call> tags, one block per call:\n<tool_call>\n"
-    "{{\"name\": <function name>, \"arguments\": <the arguments as a JSON object>}}\n</tool_call>\n"
-    "Each function's result comes back inside <tool_response></tool_response>.")
-
-
-def _fallback(messages: list[dict], tools: ToolRequest | None) -> list[dict]:
-    """The conversation for a template without tool support (the module docs say how)."""
-    out: list[dict] = []
-    last_tool = False
-    for m in messages:
-        if m["role"] == "tool":
-            block = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if last_tool:
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block})
-        elif m.get("tool_calls"):
-            blocks = ["<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments":
-                                                   c["function"]["arguments"]}, ensure_ascii=False) + "\n</tool_call>"
-                      for c in m["tool_calls"]]
-            out.append({"role": "assistant", "content": "\n".join(([m["content"]] if m["content"] else []) + blocks)})
-        else:
-            out.append({"role": m["role"], "content": m["content"]})
-        last_tool = m["role"] == "tool"
-    if tools:
-        text = _FALLBACK.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools.openai()))
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
-        else:
-            out.insert(0, {"role": "system", "content": text})
-    return out
-
-
-def template_handles_tools(tokenizer, tools: list[dict] | None = None) -> bool:
-    """Whether the chat template used with ``tools`` mentions ``tools`` (then it renders them itself)."""
-    try:
-        text = tokenizer.get_chat_template(tools=tools)
-    except (AttributeError, ValueError, TypeError):
-        text = template_text(tokenizer)
-    return "tools" in text
-
-
 def render_prompt(tokenizer, messages: list[dict], tools: ToolRequest | None = None) -> str:
-    """The prompt text of a conversation (from :func:`~turbo.serve.protocol.read_messages`) with the generation
-    prompt: the model's chat template with ``tools``, or the fallback of the module docs when the template does
-    not handle tools; without tools and tool messages exactly ``apply_chat_template(messages,
-    add_generation_prompt=True, tokenize=False)``. Raises :class:`~turbo.errors.InvalidRequest` (400) when the
-    tokenizer has no chat template or the template refuses the conversation."""
-    import jinja2
-
-    if not template_text(tokenizer):
-        raise InvalidRequest("the model's tokenizer has no chat template; use /v1/completions with a plain prompt")
-    kw: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
-    spec = tools.openai() if tools else None
-    try:
-        if tools is None and not any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-            return tokenizer.apply_chat_template(messages, **kw)
-        if template_handles_tools(tokenizer, spec):
-            return tokenizer.apply_chat_template(messages, tools=spec, **kw)
-        return tokenizer.apply_chat_template(_fallback(messages, tools), **kw)
-    except jinja2.TemplateError as e:
-        raise InvalidRequest(f"the model's chat template refused this conversation: {e}") from None
+    """:func:`turbo.chat_render.render_prompt` with a request's tools (the fallback rendering is described there)."""
+    return chat_render.render_prompt(tokenizer, messages, tools.openai() if tools else None)
 
 
 # --- the grammar of a forced call -----------------------------------------------------------------------------------
