@@ -466,6 +466,17 @@ def test_engine_process_serves_n_guided_and_refuses_a_bad_schema(smollm2_path):
         r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MSGS, "response_format": fmt}, timeout=60)
         err = error(r, 400, contains="look-around")
         assert err["type"] == "invalid_request_error"
+        # a session's tool turns cross the process boundary (tools and the tool result ride the "chat" message)
+        sid = httpx.post(f"{url}/v1/sessions", json={}, timeout=60).json()["id"]
+        t = httpx.post(f"{url}/v1/sessions/{sid}/chat", timeout=120, json={
+            "content": "What time is it in Tokyo?", "tools": TOOLS, "max_tokens": 120, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}}).json()
+        assert [c["function"]["name"] for c in t["tool_calls"]] == ["get_time"]
+        res = httpx.post(f"{url}/v1/sessions/{sid}/chat", timeout=120, json={
+            "role": "tool", "tool_call_id": t["tool_calls"][0]["id"], "content": "09:00", "max_tokens": 4})
+        assert res.status_code == 200, res.text
+        msgs = httpx.get(f"{url}/v1/sessions/{sid}", timeout=60).json()["messages"]
+        assert msgs[-2]["role"] == "tool" and msgs[-2]["content"] == "09:00"
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # the engine process lives on
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
