@@ -50,10 +50,6 @@ def _choice(v: Any, where: str) -> list[str]:
     return v
 
 
-def _grammar(v: Any, where: str) -> str:
-    return _text(v, where)  # Lark, or GBNF (the engine converts it, see turbo.core.guided)
-
-
 def _response_format(v: Any) -> dict:
     where = "response_format"
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
@@ -98,12 +94,12 @@ def _structured_outputs(v: Any) -> dict:
     (k, x), = given.items()
     if k == "json_object":
         return {"json_schema": {"type": "object"}}
-    read = {"json": _schema, "regex": _text, "choice": _choice, "grammar": _grammar}[k]
+    read = {"json": _schema, "regex": _text, "choice": _choice, "grammar": _text}[k]  # GBNF: the engine converts
     return {_SO_KEYS[k]: read(x, f"{where}.{k}")}
 
 
 _GUIDED = {"guided_json": ("json_schema", _schema), "guided_regex": ("regex", _text),
-           "guided_choice": ("choice", _choice), "guided_grammar": ("grammar", _grammar)}
+           "guided_choice": ("choice", _choice), "guided_grammar": ("grammar", _text)}
 
 
 def read_constraint(b) -> dict:
