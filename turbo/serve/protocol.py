@@ -63,7 +63,33 @@ async def read_json(request: Request, limit: int, allow_empty: bool = False) -> 
     if not isinstance(data, dict):
         kinds = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
         raise APIError(400, f"the request body must be a JSON object, got a JSON {kinds.get(type(data), 'value')}")
+    where = _lone_surrogate(data)
+    if where is not None:  # valid JSON, but no text: it cannot be tokenized, stored or sent back
+        raise APIError(400, f"{where} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
+                            f"which is not text; send valid Unicode", param=where.split("[")[0].split(".")[0])
     return data
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """Where in ``data`` (a field path like ``messages[1].content``) a string or key holds a lone surrogate."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "the body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                key = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and not k.isascii() and _lone_surrogate(k) is not None:
+                    return f"a key of {path or 'the body'}"
+                todo.append((key, x))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+    return None
 
 
 def is_int(v: Any) -> bool:

@@ -53,7 +53,11 @@ def unpack(data: bytes) -> dict[str, torch.Tensor]:
 
 def _death(rank: int, proc) -> str:
     """Who died and how, for messages: rank, pid, exit code or signal."""
+    if proc.exitcode is None:  # its pipe closed first: give the exit status a moment to be reaped
+        proc.join(2.0)
     code = proc.exitcode
+    if code is None:
+        return f"tensor-parallel worker rank {rank} (pid {proc.pid}) stopped answering (its pipe closed)"
     if code is not None and code < 0:
         try:
             how = f"was killed by signal {signal.Signals(-code).name} (exit code {code})"

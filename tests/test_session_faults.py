@@ -1,0 +1,129 @@
+"""Session fault suite (issue 25, the kinds public reports show in other engines), through the HTTP API and the library:
+a lone UTF-16 surrogate in any field (400, nothing stored), a turn longer than the session (both numbers, KV kept),
+two turns at once (409, consistent after), deleting during a turn (409), restoring a missing / damaged / foreign
+session folder (a clear error, nothing else changed), and a restored session reusing its saved KV in every KV dtype."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from lite.formats import LiteturboError
+from turbo import Engine, EngineConfig, GenerationConfig
+from turbo.serve.app import create_app
+
+from conftest import serve_in_thread
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path):
+    engine = Engine(smollm2_path, EngineConfig(dtype="float32", max_kv_tokens=2048, block_size=16, session_len=512))
+    app = create_app(engine, model_name="smol", api_keys="")
+    url, stop = serve_in_thread(app)
+    with httpx.Client(base_url=url, timeout=120) as http:
+        yield http, engine
+    stop()
+
+
+def _raw(http, path: str, text: str) -> httpx.Response:
+    return http.post(path, content=text.encode(), headers={"Content-Type": "application/json"})
+
+
+def test_a_lone_surrogate_is_400_on_every_route_and_stores_nothing(served):
+    http, engine = served
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    cases = [("/v1/sessions", '{"system": "a \\ud800 b"}', "system"),
+             ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udfff"}]}', "messages"),
+             ("/v1/completions", '{"prompt": "x", "stop": ["\\ud83d"]}', "stop"),
+             (f"/v1/sessions/{sid}/chat", '{"content": "hi \\udc00"}', "content"),
+             ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "\\ud800": 1}', None)]
+    for path, body, param in cases:
+        r = _raw(http, path, body)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert "lone UTF-16 surrogate" in err["message"] and (param is None or err["param"] == param)
+    info = http.get(f"/v1/sessions/{sid}").json()
+    assert info["messages"] == [] and info["tokens"] == 0  # the refused turn left nothing
+    # the valid spelling of a surrogate pair is text and works
+    ok = _raw(http, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], '
+                                            '"max_tokens": 2}')
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_turn_longer_than_the_session_is_refused_and_keeps_its_kv(served):
+    http, engine = served
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    first = http.post(f"/v1/sessions/{sid}/chat", json={"content": "Name a fruit.", "max_tokens": 8,
+                                                      "temperature": 0}).json()
+    history = http.get(f"/v1/sessions/{sid}").json()
+    r = http.post(f"/v1/sessions/{sid}/chat", json={"content": "word " * 600, "max_tokens": 4})
+    assert r.status_code == 400 and "session_len is 512" in r.json()["error"]["message"]
+    after = http.get(f"/v1/sessions/{sid}").json()
+    assert after["messages"] == history["messages"] and after["kv_resident_tokens"] == history["kv_resident_tokens"]
+    nxt = http.post(f"/v1/sessions/{sid}/chat", json={"content": "Another one.", "max_tokens": 4}).json()
+    # the history's KV was not recomputed: everything up to the new message came from the cache
+    assert nxt["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+
+
+def test_two_turns_at_once_get_409_and_delete_during_a_turn_gets_409(served):
+    http, engine = served
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    started, results = threading.Event(), {}
+
+    def long_turn():
+        with http.stream("POST", f"/v1/sessions/{sid}/chat", json={"content": "Count to fifty.", "max_tokens": 60,
+                                                                  "min_tokens": 60, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+            results["status"] = r.status_code
+
+    t = threading.Thread(target=long_turn)
+    t.start()
+    assert started.wait(60)
+    second = http.post(f"/v1/sessions/{sid}/chat", json={"content": "Hello?", "max_tokens": 2})
+    gone = http.delete(f"/v1/sessions/{sid}")
+    t.join(120)
+    assert second.status_code == 409 and gone.status_code == 409 and results["status"] == 200
+    info = http.get(f"/v1/sessions/{sid}").json()
+    assert [m["role"] for m in info["messages"]] == ["user", "assistant"] and not info["busy"]
+    assert http.delete(f"/v1/sessions/{sid}").status_code == 200
+
+
+def test_restoring_a_missing_damaged_or_foreign_session_is_a_clear_error(smollm2_path, tmp_path):
+    engine = Engine(smollm2_path, EngineConfig(dtype="float32", max_kv_tokens=1024, block_size=16))
+    free = engine.stats()["blocks_free"]
+    s = engine.session()
+    s.chat("Hi", max_new_tokens=3)
+    s.save(tmp_path / "good", include_kv=True)
+    s.close()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "session.json").write_text('{"format": "liteturbo-session/1", "messages": [')  # truncated
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "session.json").write_text(json.dumps({"format": "llama.cpp-slot", "tokens": [1, 2]}))
+    for path, words in ((tmp_path / "missing", "session.json missing"), (bad, "not JSON"),
+                        (foreign, "lacks format")):
+        with pytest.raises(LiteturboError, match=words):
+            engine.load_session(path)
+    assert engine.stats()["blocks_free"] == free and engine.stats()["running"] == 0  # nothing else changed
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8", "int4"])
+def test_a_restored_session_reuses_its_saved_kv(smollm2_path, tmp_path, kv):
+    cfg = EngineConfig(dtype="float32", max_kv_tokens=1024, block_size=16, kv_cache_dtype=kv,
+                       enable_prefix_caching=False)  # no prefix cache: only the saved KV can give cached tokens
+    engine = Engine(smollm2_path, cfg)
+    s = engine.session(system="Be brief.")
+    s.chat("Name a color.", max_new_tokens=6)
+    n = s.seq.num_computed
+    s.save(tmp_path / "s", include_kv=True)
+    fresh = Engine(smollm2_path, cfg)  # a restart
+    back = fresh.load_session(tmp_path / "s")
+    back.chat("And another.", gen=GenerationConfig(max_new_tokens=3))
+    assert n > 0 and back.last.cached_tokens >= n - 1
