@@ -1,6 +1,17 @@
-"""Multi-turn chat: time to first token of the last turn, stateful session vs re-prefilling the history.
+"""Multi-turn chat: time to first token of the last turn, stateful session vs re-prefilling the history; and, with
+``--tiers``, the next turn of a session whose KV the pool evicted: restored from the host tier vs recomputed.
 
     python bench/sessions.py [--turns 8] [--user-tokens 300] [--reply-tokens 32] [--json]
+    python bench/sessions.py --tiers [--sessions 6] [--history-tokens 2000] [--json]
+
+``--tiers``: ``--sessions`` sessions, each with a ``--history-tokens`` first turn (WikiText-2), on a pool that holds
+three of them, in three engines of one run: with a host tier (``session_host_gib=2``), without one (the evicted
+history is recomputed), and with a pool that holds them all (the reference: never evicted). Then a short next turn on
+each of the first three (evicted) sessions; TTFT (best of them) and replies compared. Its last JSON line has
+``host_restore_vs_recompute_ttft``, ``disk_restore_vs_recompute_ttft`` (``null``: no disk tier yet) and
+``identical`` (the replies after a host-tier restore equal the never-evicted ones; ``recomputed_identical`` says the
+same of the recomputed ones, which in 16-bit can differ: a prefill of the whole history rounds differently from the
+decode steps that wrote the original KV).
 
 Each user turn is a ~``--user-tokens`` passage of WikiText-2; replies are greedy, ``--reply-tokens`` long. The
 stateful run keeps the session's KV cache between turns; the baseline sends the whole conversation to an
@@ -28,8 +39,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="whole conversations run; the best TTFT of each side counts")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--tiers", action="store_true", help="measure the host tier of session KV (see above)")
+    ap.add_argument("--sessions", type=int, default=6)
+    ap.add_argument("--history-tokens", type=int, default=2000)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.tiers:
+        return tiers(args)
     from lite.formats import resolve_model
     from turbo import Engine, EngineConfig, GenerationConfig
 
@@ -67,6 +83,50 @@ def main() -> None:
     print(f"stateful session   TTFT {last.ttft * 1000:8.1f} ms  ({r['stateful_prefill_tokens']} tokens prefilled)")
     print(f"re-prefill history TTFT {base.ttft * 1000:8.1f} ms  ({r['reprefill_prefill_tokens']} tokens prefilled)")
     print(f"ratio {r['ttft_ratio']:.1f}x; same reply: {r['same_reply']}")
+
+
+def tiers(args) -> None:
+    """The ``--tiers`` run (see the module docstring)."""
+    from lite.formats import resolve_model
+    from turbo import Engine, EngineConfig, GenerationConfig
+
+    w4, _tmp = w4a16_checkpoint(str(resolve_model(args.model)), 64, args.w4a16)
+    per = args.history_tokens + 200
+    engines = {"host_tier": EngineConfig(max_kv_tokens=3 * per, session_host_gib=2.0),
+               "recompute": EngineConfig(max_kv_tokens=3 * per),
+               "never_evicted": EngineConfig(max_kv_tokens=(args.sessions + 1) * per)}
+    gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    out = {}
+    for name, cfg in engines.items():
+        e = Engine(w4, cfg)
+        e.generate("warm up", max_new_tokens=2)
+        tok = e.tokenizer
+        passages = [tok.decode(p) for p in text_prompts(tok, args.sessions, args.history_tokens)]
+        ss = [e.session(system=f"You are reader number {i}.") for i in range(args.sessions)]
+        for s, p in zip(ss, passages):
+            s.chat("Remember this text: " + p, gen=gen)
+        nxt = []
+        for s in ss[:3]:  # evicted by the later ones (except in the reference)
+            s.chat("In one line, what was it about?", gen=gen)
+            nxt.append((s.last.ttft, s.last.cached_tokens, s.last.prompt_tokens, s.last.token_ids))
+        out[name] = {"ttft_s": min(t for t, *_ in nxt), "cached_tokens": [c for _, c, *_ in nxt],
+                     "prompt_tokens": [p for _, _, p, _ in nxt], "replies": [r for *_, r in nxt],
+                     **{k: v for k, v in e.stats().items() if k.startswith("host_tier")}}
+        del e
+    identical = out["host_tier"]["replies"] == out["never_evicted"]["replies"]  # restored KV is the same KV
+    recomputed_same = out["recompute"]["replies"] == out["never_evicted"]["replies"]  # 16-bit: may differ
+    for name, r in out.items():
+        r.pop("replies")
+        if args.json:
+            print(json.dumps({"engine": name, **r}))
+        else:
+            print(f"{name:14s} next-turn TTFT {r['ttft_s'] * 1000:8.1f} ms; cached {r['cached_tokens']} of "
+                  f"{r['prompt_tokens']} prompt tokens")
+    print(json.dumps({"host_restore_vs_recompute_ttft": round(out["recompute"]["ttft_s"] / out["host_tier"]["ttft_s"],
+                                                              2),
+                      "disk_restore_vs_recompute_ttft": None, "identical": identical,
+                      "recomputed_identical": recomputed_same,
+                      "history_tokens": args.history_tokens, "sessions": args.sessions}))
 
 
 if __name__ == "__main__":

@@ -79,6 +79,10 @@ class EngineConfig:
     on a CPU all share it); heads, MLP features and the vocabulary are split, so each rank holds about 1/N of the
     weights and KV (default 1; the command line's ``--tp``). A split that breaks
     a head or a quantization group is refused at start-up, naming the sizes that work.
+    session_host_gib: the host tier of session KV (:mod:`turbo.core.kv_tier`): when the pool needs room, an idle
+    session's KV moves, in its stored form, to host memory under this budget (least recently spilled leave first) and
+    its next turn copies it back instead of recomputing (default 0: off; the command line's
+    ``--session-host-gib``). On a CPU the host tier is a separate budget beside the pool.
     """
 
     backend: str = "auto"
@@ -101,6 +105,7 @@ class EngineConfig:
     enforce_eager: bool = False
     threads: int | str | None = None  # CPU threads: None/"auto", N, or -K (see backends.cpu_threads)
     tensor_parallel_size: int = 1
+    session_host_gib: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.device, torch.device):
@@ -114,6 +119,10 @@ class EngineConfig:
             _coerce(self, name, "int", optional=True)
         for name in ("kv_cache_gib", "cache_max_entry_count"):
             _coerce(self, name, "float", optional=True)
+        _coerce(self, "session_host_gib", "float")
+        if not 0 <= self.session_host_gib < math.inf:
+            raise LiteturboError(f"session_host_gib must be a finite number of GiB >= 0 (0: no host tier), got "
+                                 f"{self.session_host_gib}")
         for name in ("enable_prefix_caching", "batch_invariant", "kv_calibration", "enforce_eager"):
             _coerce(self, name, "bool")
         _coerce(self, "kv_cache_dtype", "str")

@@ -32,6 +32,7 @@ from ..errors import EngineDead
 from . import inputs
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .guided import Guide, MaskJob
+from .kv_tier import HostTier, common_prefix, prefix_kv, timed
 from .request import GenerationOutput, Request, step_input
 from .sampler import RowSampling, SamplingError, sample_batch
 from .scheduler import ScheduledStep, Sequence
@@ -52,6 +53,10 @@ class EngineCore:
         self.block_manager, self.scheduler = p.block_manager, p.scheduler
         self.session_len, self.eos_token_ids = p.session_len, p.eos_token_ids
         self.thread_control = p.thread_control  # CPU threads under contention (backends/cpu_threads.py)
+        self.host_tier: HostTier | None = None  # sessions' evicted KV in host memory (turbo/core/kv_tier.py)
+        if self.config.session_host_gib > 0 and self.config.tensor_parallel_size == 1:
+            self.host_tier = HostTier(int(self.config.session_host_gib * 2**30))
+            self.scheduler.on_evict, self.scheduler.on_admit = self._spill, self._restore
         self.requests: dict[int, Request] = {}
         # one step at a time: threads may share an engine (each drives steps for everyone until its own
         # request is done); the lock guards the scheduler, the block manager and the caches
@@ -278,6 +283,42 @@ class EngineCore:
         except Exception as e:
             return e
 
+    # --- the host tier of session KV ----------------------------------------------------------------------
+    def _spill(self, seq: Sequence) -> None:
+        """The scheduler evicts ``seq``'s blocks: keep the K/V of its computed tokens in the host tier first."""
+        with timed(self.host_tier.counters, "spill_seconds"):
+            kv = self.runner.export_kv(self.block_manager.slots(seq.block_table, 0, seq.num_computed))
+        self.host_tier.put(seq.seq_id, seq.token_ids[:seq.num_computed], kv)
+
+    def _restore(self, seq: Sequence) -> bool:
+        """The scheduler admits ``seq`` without blocks: load the longest prefix of its spilled K/V that its tokens
+        still share into fresh blocks (True), or leave it to the prefix cache and recompute (False)."""
+        got = self.host_tier.take(seq.seq_id)
+        if got is None:
+            return False
+        ids, kv = got
+        n = common_prefix(ids, seq.token_ids, seq.num_tokens - 1)
+        while n and not self.block_manager.can_allocate(seq.block_table, n):  # as admission would: idle ones go
+            victim = next((s for s in self.scheduler.idle.values() if s.block_table and s is not seq), None)
+            if victim is None:
+                break
+            self.scheduler.evict(victim)
+        if n == 0 or not self.block_manager.can_allocate(seq.block_table, n):
+            if n:
+                self.host_tier.put(seq.seq_id, ids, kv, count=False)  # no room now: maybe at the next admission
+            return False
+        with timed(self.host_tier.counters, "restore_seconds"):
+            self.block_manager.ensure_capacity(seq.block_table, n)
+            try:
+                self.runner.import_kv(prefix_kv(kv, n), self.block_manager.slots(seq.block_table, 0, n))
+            except ValueError:
+                self.block_manager.free(seq.block_table)
+                return False
+        seq.num_computed = n
+        self.block_manager.register_full_blocks(seq.token_ids, seq.block_table, n)
+        self.host_tier.counters["hits"] += 1
+        return True
+
     # --- what sessions and the loop build on -------------------------------------------------------------
     def new_sequence(self, priority: int = 0) -> Sequence:
         """A fresh, empty :class:`Sequence` with an id unique in this engine."""
@@ -312,6 +353,8 @@ class EngineCore:
         """Forget ``seq``'s place in the batch and free its blocks (a session's reset, close or failed turn)."""
         with self.lock:
             self.scheduler.finish(seq)
+            if self.host_tier is not None:
+                self.host_tier.drop(seq.seq_id)
 
     def evict_idle(self, seq: Sequence) -> bool:
         """Free the KV blocks of ``seq`` if it is an idle session (its tokens stay, recomputed on its next turn);
@@ -389,7 +432,9 @@ class EngineCore:
         beside the forward) and ``mask_wait_seconds`` (what the steps waited for them); and the
         KV pool: ``kv_cache_dtype``, ``kv_calibrated``, ``kv_bytes_per_token`` (all layers, K and V, scales
         included), ``kv_pool_tokens`` (tokens the pool holds), ``kv_cache_bytes``; ``tensor_parallel_size`` (the
-        KV figures are then rank 0's, each rank holding its KV heads)."""
+        KV figures are then rank 0's, each rank holding its KV heads); with a host tier (``session_host_gib``), its
+        ``host_tier_*`` figures (:meth:`turbo.core.kv_tier.HostTier.stats`: sessions, bytes, spills, hits, dropped,
+        restore and spill seconds)."""
         c = dict(self.counters)
         c["generation_tokens_per_s"] = c["generated_tokens"] / c["busy_seconds"] if c["busy_seconds"] else 0.0
         bm, sch = self.block_manager, self.scheduler
@@ -398,7 +443,8 @@ class EngineCore:
                     block_size=bm.block_size, kv_cache_bytes=self.runner.kv_bytes,
                     kv_cache_dtype=self.kv_cache_dtype, kv_calibrated=self.runner.kv_cache.calibrated,
                     kv_bytes_per_token=self.runner.kv_cache.spec.bytes_per_token(),
-                    kv_pool_tokens=bm.num_blocks * bm.block_size, tensor_parallel_size=self.tensor_parallel_size)
+                    kv_pool_tokens=bm.num_blocks * bm.block_size, tensor_parallel_size=self.tensor_parallel_size,
+                    **(self.host_tier.stats() if self.host_tier is not None else {}))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of raw ``text`` (see :func:`turbo.core.inputs.encode`: the tokenizer's own special tokens by

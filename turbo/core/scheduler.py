@@ -98,6 +98,10 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.idle: OrderedDict[int, Sequence] = OrderedDict()  # LRU: oldest first
+        # the engine's KV host tier (turbo/core/kv_tier.py): on_evict(seq) before a session's blocks are freed,
+        # on_admit(seq) -> bool when a sequence without blocks is admitted (True: it loaded its KV back)
+        self.on_evict = None
+        self.on_admit = None
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -122,7 +126,10 @@ class Scheduler:
             self.idle.pop(seq.seq_id, None)
 
     def evict(self, seq: Sequence) -> None:
-        """Free an idle session's KV blocks; its tokens stay and are recomputed on its next turn."""
+        """Free an idle session's KV blocks; its tokens stay and are recomputed on its next turn (or, with a host
+        tier, ``on_evict`` keeps their KV first and ``on_admit`` loads it back)."""
+        if self.on_evict is not None and seq.num_computed > 0:
+            self.on_evict(seq)
         self.bm.free(seq.block_table)
         seq.num_computed = 0
 
@@ -193,7 +200,7 @@ class Scheduler:
                 seq = next((s for s in self.waiting if not s.held), None)
                 if seq is None:
                     break
-                if not seq.block_table:
+                if not seq.block_table and not (self.on_admit is not None and self.on_admit(seq)):
                     seq.num_computed = self.bm.match_prefix(seq.token_ids, seq.block_table)
                 n = min(seq.num_tokens - seq.num_computed, budget)
                 if not self.bm.can_allocate(seq.block_table, seq.num_computed + n):

@@ -37,6 +37,9 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("liteturbo_inter_token_latency_seconds", "Mean time between output tokens of a request",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tier = Gauge("liteturbo_session_host_tier", "The host tier of session KV (--session-host-gib): sessions, "
+                          "bytes, spills, hits (restored instead of recomputed), dropped, restore_seconds",
+                          ["figure"], registry=r)
         self._prompt_tokens = 0
         self._cached_tokens = 0
 
@@ -62,4 +65,7 @@ class ServerMetrics:
         self.blocks_used.set(st["blocks_total"] - st["blocks_free"])
         self.hit_rate.set(self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0)
         self.sessions_gauge.set(self._sessions())
+        for k, v in st.items():
+            if k.startswith("host_tier_") and k != "host_tier_budget_bytes":
+                self.tier.labels(k.removeprefix("host_tier_")).set(v)
         return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""The host tier of session KV (turbo/core/kv_tier.py): an evicted idle session's KV comes back from host memory on
+its next turn (cached tokens, replies equal to a pool that never evicted, in 16-bit and int4 storage), the budget
+pushes out the least recently spilled, and a closed session's KV leaves the tier."""
+from __future__ import annotations
+
+import pytest
+
+from lite.formats import LiteturboError
+from turbo import Engine, EngineConfig
+
+from tiny_models import build_tiny_llama, save_word_tokenizer
+
+TEXT = " ".join(["the", "of", "and", "to", "in", "a", "is", "that", "for", "it"] * 12)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = build_tiny_llama(tmp_path_factory.mktemp("tier") / "tiny", num_hidden_layers=2)
+    save_word_tokenizer(path, 128, bos=True)  # the variant with a chat template: sessions need one
+    return path
+
+
+def _chat_rounds(engine, n_sessions=4, rounds=2):
+    systems = ["the of", "and to", "in a", "is that", "for it", "of the"]  # distinct prompts: no shared prefixes
+    ss = [engine.session(system=systems[i]) for i in range(n_sessions)]
+    out = []
+    for r in range(rounds):
+        for s in ss:
+            text = s.chat(f"{TEXT} round {r}", max_new_tokens=6, ignore_eos=True)
+            out.append((text, s.last.cached_tokens))
+    return ss, out
+
+
+@pytest.mark.parametrize("kv", ["auto", "int4"])
+def test_evicted_sessions_come_back_from_the_host_tier(tiny, kv):
+    big = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=4096, block_size=16, kv_cache_dtype=kv))
+    small = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=384, block_size=16, kv_cache_dtype=kv,
+                                      session_host_gib=0.5))
+    _, want = _chat_rounds(big)
+    _, got = _chat_rounds(small)
+    assert [t for t, _ in got] == [t for t, _ in want]  # the same replies as a pool that never evicted
+    assert [c for _, c in got[4:]] == [c for _, c in want[4:]]  # and the whole history came back as cached
+    st = small.stats()
+    assert st["host_tier_hits"] >= 3 and st["host_tier_spills"] >= 3 and st["host_tier_restore_seconds"] > 0
+
+
+def test_the_budget_pushes_out_the_oldest_and_close_forgets(tiny):
+    e = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=384, block_size=16, session_host_gib=1e-4))
+    ss, got = _chat_rounds(e)  # ~100 KiB of budget: about one session's KV
+    st = e.stats()
+    assert st["host_tier_dropped"] >= 1 and st["host_tier_bytes"] <= st["host_tier_budget_bytes"]
+    for s in ss:
+        s.close()
+    assert e.stats()["host_tier_sessions"] == 0 and e.stats()["host_tier_bytes"] == 0
+    with pytest.raises(LiteturboError, match="session_host_gib"):
+        EngineConfig(session_host_gib=-1)
+
+
+def test_through_the_server_an_evicted_session_reports_its_history_as_cached(tiny):
+    import httpx
+
+    from conftest import serve_in_thread
+    from turbo.serve.app import create_app
+
+    ref = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=4096, block_size=16))
+    engine = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=384, block_size=16, session_host_gib=0.5))
+    replies = {}
+    for name, e in (("ref", ref), ("tier", engine)):
+        url, stop = serve_in_thread(create_app(e, model_name="t", api_keys=""))
+        try:
+            with httpx.Client(base_url=url, timeout=60) as http:
+                sids = [http.post("/v1/sessions", json={"system": s}).json()["id"]
+                        for s in ("the of", "and to", "in a", "is that")]
+                for sid in sids:  # the later sessions push the first ones' KV out of the small pool
+                    http.post(f"/v1/sessions/{sid}/chat", json={"content": TEXT, "max_tokens": 5, "ignore_eos": True,
+                                                                "temperature": 0})
+                t = http.post(f"/v1/sessions/{sids[0]}/chat", json={"content": "of and", "max_tokens": 5, "temperature": 0,
+                                                                     "ignore_eos": True}).json()
+                replies[name] = (t["content"], t["usage"]["prompt_tokens_details"]["cached_tokens"])
+                metrics = http.get("/metrics").text
+        finally:
+            stop()
+    assert replies["tier"] == replies["ref"] and replies["tier"][1] > len(TEXT.split())
+    assert 'liteturbo_session_host_tier{figure="hits"} 1.0' in metrics

@@ -1,0 +1,100 @@
+"""The host tier of session KV: what an idle session's evicted KV blocks held, kept in host memory under a byte budget,
+so its next turn copies the history back instead of recomputing it.
+
+When the scheduler evicts a session's blocks (the pool needs room, :meth:`~turbo.core.scheduler.Scheduler.evict`),
+the engine exports the K/V of its computed tokens in the cache's stored form (16-bit values, or int8/int4 codes with
+their scales, on the CPU: see :meth:`backends.kv_cache.PagedKVCache.export`) into a :class:`HostTier`; when the
+session is admitted again, the engine takes it back (:meth:`HostTier.take`) and loads the longest prefix its next
+prompt shares into fresh blocks. Least recently spilled sessions leave the tier first when the budget is exceeded
+(their next turn recomputes, counted as ``dropped``). Source of the idea: LMCache / SGLang HiCache (host offload of
+prefix caches); here it is per session, in the stored form, with no format change.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class _Entry:
+    token_ids: list[int]
+    kv: dict[str, torch.Tensor]
+    nbytes: int
+
+
+@dataclass
+class HostTier:
+    """Sessions' spilled KV by sequence id, least recently spilled first, at most ``budget_bytes`` in all.
+
+    Counters: ``spills`` (sessions put), ``hits`` (taken back and loaded), ``dropped`` (pushed out by the budget, or
+    too large for it), ``restore_seconds`` / ``spill_seconds`` (time in :meth:`take` loads and exports, set by the
+    engine)."""
+
+    budget_bytes: int
+    entries: OrderedDict = field(default_factory=OrderedDict)
+    nbytes: int = 0
+    counters: dict = field(default_factory=lambda: {"spills": 0, "hits": 0, "dropped": 0, "restore_seconds": 0.0,
+                                                    "spill_seconds": 0.0})
+
+    def put(self, seq_id: int, token_ids: list[int], kv: dict[str, torch.Tensor], count: bool = True) -> None:
+        """Keep ``kv`` (the stored K/V of ``token_ids``, per tensor ``[tokens, ...]``) for ``seq_id``, pushing out the
+        least recently spilled sessions past the budget; one larger than the whole budget is not kept. ``count``:
+        a new spill (``False``: an entry put back unused)."""
+        self.drop(seq_id)
+        size = sum(t.numel() * t.element_size() for t in kv.values())
+        if size > self.budget_bytes:
+            self.counters["dropped"] += 1
+            return
+        while self.entries and self.nbytes + size > self.budget_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+            self.counters["dropped"] += 1
+        self.entries[seq_id] = _Entry(list(token_ids), kv, size)
+        self.nbytes += size
+        self.counters["spills"] += count
+
+    def take(self, seq_id: int) -> tuple[list[int], dict[str, torch.Tensor]] | None:
+        """The spilled ``(token ids, kv)`` of ``seq_id``, removed from the tier; ``None`` when it holds none."""
+        e = self.entries.pop(seq_id, None)
+        if e is None:
+            return None
+        self.nbytes -= e.nbytes
+        return e.token_ids, e.kv
+
+    def drop(self, seq_id: int) -> None:
+        """Forget ``seq_id``'s spilled KV (the session was reset, closed or failed)."""
+        e = self.entries.pop(seq_id, None)
+        if e is not None:
+            self.nbytes -= e.nbytes
+
+    def stats(self) -> dict:
+        """``host_tier_sessions``, ``host_tier_bytes``, ``host_tier_budget_bytes`` and the counters, prefixed."""
+        return {"host_tier_sessions": len(self.entries), "host_tier_bytes": self.nbytes,
+                "host_tier_budget_bytes": self.budget_bytes, **{f"host_tier_{k}": v for k, v in self.counters.items()}}
+
+
+def prefix_kv(kv: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """The stored K/V of the first ``n`` tokens (every tensor is ``[tokens, ...]``)."""
+    return {k: t[:n] for k, t in kv.items()}
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading ids ``a`` and ``b`` share, at most ``limit``."""
+    n, limit = 0, min(limit, len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def timed(counters: dict, key: str):
+    """A context manager adding the seconds its block takes to ``counters[key]``."""
+    class _T:
+        def __enter__(self):
+            self.t0 = time.perf_counter()
+
+        def __exit__(self, *exc):
+            counters[key] += time.perf_counter() - self.t0
+    return _T()
