@@ -5,11 +5,12 @@
     python bench/sessions.py --tiers [--sessions 6] [--history-tokens 2000] [--json]
 
 ``--tiers``: ``--sessions`` sessions, each with a ``--history-tokens`` first turn (WikiText-2), on a pool that holds
-three of them, in three engines of one run: with a host tier (``session_host_gib=2``), without one (the evicted
-history is recomputed), and with a pool that holds them all (the reference: never evicted). Then a short next turn on
+three of them, in four engines of one run: with a host tier (``session_host_gib=2``), with the disk tier only (each
+session saved with its KV after its turn, as ``--session-dir`` does), with neither (the evicted history is
+recomputed), and with a pool that holds them all (the reference: never evicted). Then a short next turn on
 each of the first three (evicted) sessions; TTFT (best of them) and replies compared. Its last JSON line has
-``host_restore_vs_recompute_ttft``, ``disk_restore_vs_recompute_ttft`` (``null``: no disk tier yet) and
-``identical`` (the replies after a host-tier restore equal the never-evicted ones; ``recomputed_identical`` says the
+``host_restore_vs_recompute_ttft``, ``disk_restore_vs_recompute_ttft`` and ``identical`` (the replies after a host-
+or disk-tier restore equal the never-evicted ones; ``recomputed_identical`` says the
 same of the recomputed ones, which in 16-bit can differ: a prefill of the whole history rounds differently from the
 decode steps that wrote the original KV).
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -93,6 +96,7 @@ def tiers(args) -> None:
     w4, _tmp = w4a16_checkpoint(str(resolve_model(args.model)), 64, args.w4a16)
     per = args.history_tokens + 200
     engines = {"host_tier": EngineConfig(max_kv_tokens=3 * per, session_host_gib=2.0),
+               "disk_tier": EngineConfig(max_kv_tokens=3 * per),  # sessions saved with their KV after each turn
                "recompute": EngineConfig(max_kv_tokens=3 * per),
                "never_evicted": EngineConfig(max_kv_tokens=(args.sessions + 1) * per)}
     gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
@@ -103,8 +107,11 @@ def tiers(args) -> None:
         tok = e.tokenizer
         passages = [tok.decode(p) for p in text_prompts(tok, args.sessions, args.history_tokens)]
         ss = [e.session(system=f"You are reader number {i}.") for i in range(args.sessions)]
-        for s, p in zip(ss, passages):
+        saves = tempfile.TemporaryDirectory()
+        for i, (s, p) in enumerate(zip(ss, passages)):
             s.chat("Remember this text: " + p, gen=gen)
+            if name == "disk_tier":  # what --session-dir does after every turn
+                s.save(Path(saves.name) / f"s{i}", include_kv=True)
         nxt = []
         for s in ss[:3]:  # evicted by the later ones (except in the reference)
             s.chat("In one line, what was it about?", gen=gen)
@@ -113,7 +120,7 @@ def tiers(args) -> None:
                      "prompt_tokens": [p for _, _, p, _ in nxt], "replies": [r for *_, r in nxt],
                      **{k: v for k, v in e.stats().items() if k.startswith("host_tier")}}
         del e
-    identical = out["host_tier"]["replies"] == out["never_evicted"]["replies"]  # restored KV is the same KV
+    identical = out["host_tier"]["replies"] == out["disk_tier"]["replies"] == out["never_evicted"]["replies"]
     recomputed_same = out["recompute"]["replies"] == out["never_evicted"]["replies"]  # 16-bit: may differ
     for name, r in out.items():
         r.pop("replies")
@@ -124,7 +131,8 @@ def tiers(args) -> None:
                   f"{r['prompt_tokens']} prompt tokens")
     print(json.dumps({"host_restore_vs_recompute_ttft": round(out["recompute"]["ttft_s"] / out["host_tier"]["ttft_s"],
                                                               2),
-                      "disk_restore_vs_recompute_ttft": None, "identical": identical,
+                      "disk_restore_vs_recompute_ttft": round(out["recompute"]["ttft_s"] / out["disk_tier"]["ttft_s"], 2),
+                      "identical": identical,
                       "recomputed_identical": recomputed_same,
                       "history_tokens": args.history_tokens, "sessions": args.sessions}))
 

@@ -41,7 +41,7 @@ def test_evicted_sessions_come_back_from_the_host_tier(tiny, kv):
     assert [t for t, _ in got] == [t for t, _ in want]  # the same replies as a pool that never evicted
     assert [c for _, c in got[4:]] == [c for _, c in want[4:]]  # and the whole history came back as cached
     st = small.stats()
-    assert st["host_tier_hits"] >= 3 and st["host_tier_spills"] >= 3 and st["host_tier_restore_seconds"] > 0
+    assert st["host_tier_host_hits"] >= 3 and st["host_tier_spills"] >= 3 and st["host_tier_host_restore_seconds"] > 0
 
 
 def test_the_budget_pushes_out_the_oldest_and_close_forgets(tiny):
@@ -81,4 +81,27 @@ def test_through_the_server_an_evicted_session_reports_its_history_as_cached(tin
         finally:
             stop()
     assert replies["tier"] == replies["ref"] and replies["tier"][1] > len(TEXT.split())
-    assert 'liteturbo_session_host_tier{figure="hits"} 1.0' in metrics
+    assert 'liteturbo_session_host_tier{figure="host_hits"} 1.0' in metrics
+
+
+def test_the_disk_tier_is_the_sessions_saved_kv(tiny, tmp_path):
+    """No host tier: a session saved with its KV (as --session-dir does after every turn) loads it back from disk
+    after an eviction; a file replaced since is not used (the history is recomputed)."""
+    ref = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=4096, block_size=16))
+    _, want = _chat_rounds(ref)
+    e = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=384, block_size=16))
+    systems = ["the of", "and to", "in a", "is that"]
+    ss = [e.session(system=s) for s in systems]
+    got = []
+    for r in range(2):
+        for i, s in enumerate(ss):
+            got.append((s.chat(f"{TEXT} round {r}", max_new_tokens=6, ignore_eos=True), s.last.cached_tokens))
+            s.save(tmp_path / f"s{i}", include_kv=True)
+    assert got == want and e.stats()["host_tier_disk_hits"] >= 3 and e.stats()["host_tier_spills"] == 0
+    # a replaced file: not loaded (recomputed), and the reply is still the same
+    for i in range(1, 4):  # push session 0 out again (these come back from disk themselves)
+        ss[i].chat("of", max_new_tokens=2, ignore_eos=True)
+    hits = e.stats()["host_tier_disk_hits"]
+    (tmp_path / "s0" / "kv.safetensors").write_bytes(b"not the saved KV")
+    again = ss[0].chat("and", max_new_tokens=3, ignore_eos=True)
+    assert e.stats()["host_tier_disk_hits"] == hits and isinstance(again, str)

@@ -23,6 +23,7 @@ from lite.formats import LiteturboError, make_dirs
 from .chat_render import render_prompt
 from .config import GenerationConfig, generation_config
 from .core.engine import EngineCore
+from .core.kv_tier import saved_kv_ref
 from .core.request import GenerationOutput, Request
 from .errors import Conflict, InvalidRequest
 
@@ -180,6 +181,8 @@ class Session:
             if path.exists():
                 shutil.rmtree(path)
             os.replace(tmp, path)
+            if n:  # the disk tier: an evicted session loads this back instead of recomputing
+                self.seq.disk_kv = saved_kv_ref(path / "kv.safetensors", self.seq.token_ids[:n])
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -267,6 +270,7 @@ def load_session(engine: EngineCore, path: str | Path) -> Session:
     why = engine.import_kv(s.seq, kv, n)
     if why is not None:
         return drop(why)
+    s.seq.disk_kv = saved_kv_ref(kv_file, token_ids[:n])
     return s
 
 

@@ -32,7 +32,7 @@ from ..errors import EngineDead
 from . import inputs
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .guided import Guide, MaskJob
-from .kv_tier import HostTier, common_prefix, prefix_kv, timed
+from .kv_tier import HostTier, common_prefix, load_saved_kv, prefix_kv, timed
 from .request import GenerationOutput, Request, step_input
 from .sampler import RowSampling, SamplingError, sample_batch
 from .scheduler import ScheduledStep, Sequence
@@ -53,10 +53,12 @@ class EngineCore:
         self.block_manager, self.scheduler = p.block_manager, p.scheduler
         self.session_len, self.eos_token_ids = p.session_len, p.eos_token_ids
         self.thread_control = p.thread_control  # CPU threads under contention (backends/cpu_threads.py)
-        self.host_tier: HostTier | None = None  # sessions' evicted KV in host memory (turbo/core/kv_tier.py)
-        if self.config.session_host_gib > 0 and self.config.tensor_parallel_size == 1:
-            self.host_tier = HostTier(int(self.config.session_host_gib * 2**30))
-            self.scheduler.on_evict, self.scheduler.on_admit = self._spill, self._restore
+        # sessions' evicted KV in host memory, and saved on disk (turbo/core/kv_tier.py); one rank only
+        self.host_tier = HostTier(int(self.config.session_host_gib * 2**30))
+        if self.config.tensor_parallel_size == 1:
+            self.scheduler.on_admit = self._restore
+            if self.config.session_host_gib > 0:
+                self.scheduler.on_evict = self._spill
         self.requests: dict[int, Request] = {}
         # one step at a time: threads may share an engine (each drives steps for everyone until its own
         # request is done); the lock guards the scheduler, the block manager and the caches
@@ -293,7 +295,9 @@ class EngineCore:
     def _restore(self, seq: Sequence) -> bool:
         """The scheduler admits ``seq`` without blocks: load the longest prefix of its spilled K/V that its tokens
         still share into fresh blocks (True), or leave it to the prefix cache and recompute (False)."""
-        got = self.host_tier.take(seq.seq_id)
+        got, tier = self.host_tier.take(seq.seq_id), "host"
+        if got is None and seq.disk_kv is not None:  # the disk tier: the session's own saved KV
+            got, tier = load_saved_kv(*seq.disk_kv), "disk"
         if got is None:
             return False
         ids, kv = got
@@ -304,10 +308,10 @@ class EngineCore:
                 break
             self.scheduler.evict(victim)
         if n == 0 or not self.block_manager.can_allocate(seq.block_table, n):
-            if n:
+            if n and tier == "host":
                 self.host_tier.put(seq.seq_id, ids, kv, count=False)  # no room now: maybe at the next admission
             return False
-        with timed(self.host_tier.counters, "restore_seconds"):
+        with timed(self.host_tier.counters, f"{tier}_restore_seconds"):
             self.block_manager.ensure_capacity(seq.block_table, n)
             try:
                 self.runner.import_kv(prefix_kv(kv, n), self.block_manager.slots(seq.block_table, 0, n))
@@ -316,7 +320,7 @@ class EngineCore:
                 return False
         seq.num_computed = n
         self.block_manager.register_full_blocks(seq.token_ids, seq.block_table, n)
-        self.host_tier.counters["hits"] += 1
+        self.host_tier.counters[f"{tier}_hits"] += 1
         return True
 
     # --- what sessions and the loop build on -------------------------------------------------------------
@@ -353,8 +357,7 @@ class EngineCore:
         """Forget ``seq``'s place in the batch and free its blocks (a session's reset, close or failed turn)."""
         with self.lock:
             self.scheduler.finish(seq)
-            if self.host_tier is not None:
-                self.host_tier.drop(seq.seq_id)
+            self.host_tier.drop(seq.seq_id)
 
     def evict_idle(self, seq: Sequence) -> bool:
         """Free the KV blocks of ``seq`` if it is an idle session (its tokens stay, recomputed on its next turn);
@@ -432,9 +435,9 @@ class EngineCore:
         beside the forward) and ``mask_wait_seconds`` (what the steps waited for them); and the
         KV pool: ``kv_cache_dtype``, ``kv_calibrated``, ``kv_bytes_per_token`` (all layers, K and V, scales
         included), ``kv_pool_tokens`` (tokens the pool holds), ``kv_cache_bytes``; ``tensor_parallel_size`` (the
-        KV figures are then rank 0's, each rank holding its KV heads); with a host tier (``session_host_gib``), its
-        ``host_tier_*`` figures (:meth:`turbo.core.kv_tier.HostTier.stats`: sessions, bytes, spills, hits, dropped,
-        restore and spill seconds)."""
+        KV figures are then rank 0's, each rank holding its KV heads); the session KV tiers' ``host_tier_*`` figures
+        (:meth:`turbo.core.kv_tier.HostTier.stats`: sessions and bytes in host memory, spills, host and disk hits,
+        dropped, restore and spill seconds)."""
         c = dict(self.counters)
         c["generation_tokens_per_s"] = c["generated_tokens"] / c["busy_seconds"] if c["busy_seconds"] else 0.0
         bm, sch = self.block_manager, self.scheduler
@@ -444,7 +447,7 @@ class EngineCore:
                     kv_cache_dtype=self.kv_cache_dtype, kv_calibrated=self.runner.kv_cache.calibrated,
                     kv_bytes_per_token=self.runner.kv_cache.spec.bytes_per_token(),
                     kv_pool_tokens=bm.num_blocks * bm.block_size, tensor_parallel_size=self.tensor_parallel_size,
-                    **(self.host_tier.stats() if self.host_tier is not None else {}))
+                    **self.host_tier.stats())
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of raw ``text`` (see :func:`turbo.core.inputs.encode`: the tokenizer's own special tokens by

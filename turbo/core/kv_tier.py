@@ -6,11 +6,14 @@ the engine exports the K/V of its computed tokens in the cache's stored form (16
 their scales, on the CPU: see :meth:`backends.kv_cache.PagedKVCache.export`) into a :class:`HostTier`; when the
 session is admitted again, the engine takes it back (:meth:`HostTier.take`) and loads the longest prefix its next
 prompt shares into fresh blocks. Least recently spilled sessions leave the tier first when the budget is exceeded
-(their next turn recomputes, counted as ``dropped``). Source of the idea: LMCache / SGLang HiCache (host offload of
+(their next turn recomputes, counted as ``dropped``). The disk tier is a session's own saved KV (``Session.save`` with
+``include_kv``; the server's ``--session-dir`` saves after every turn): a session found in neither recomputes. Source
+of the idea: LMCache / SGLang HiCache (host offload of
 prefix caches); here it is per session, in the stored form, with no format change.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,14 +32,15 @@ class _Entry:
 class HostTier:
     """Sessions' spilled KV by sequence id, least recently spilled first, at most ``budget_bytes`` in all.
 
-    Counters: ``spills`` (sessions put), ``hits`` (taken back and loaded), ``dropped`` (pushed out by the budget, or
-    too large for it), ``restore_seconds`` / ``spill_seconds`` (time in :meth:`take` loads and exports, set by the
-    engine)."""
+    Counters: ``spills`` (sessions put), ``host_hits`` / ``disk_hits`` (loaded back from here, or from the session's
+    own saved KV on disk), ``dropped`` (pushed out by the budget, or too large for it), ``host_restore_seconds`` /
+    ``disk_restore_seconds`` / ``spill_seconds`` (loads and exports, timed by the engine)."""
 
     budget_bytes: int
     entries: OrderedDict = field(default_factory=OrderedDict)
     nbytes: int = 0
-    counters: dict = field(default_factory=lambda: {"spills": 0, "hits": 0, "dropped": 0, "restore_seconds": 0.0,
+    counters: dict = field(default_factory=lambda: {"spills": 0, "host_hits": 0, "disk_hits": 0, "dropped": 0,
+                                                    "host_restore_seconds": 0.0, "disk_restore_seconds": 0.0,
                                                     "spill_seconds": 0.0})
 
     def put(self, seq_id: int, token_ids: list[int], kv: dict[str, torch.Tensor], count: bool = True) -> None:
@@ -74,6 +78,27 @@ class HostTier:
         """``host_tier_sessions``, ``host_tier_bytes``, ``host_tier_budget_bytes`` and the counters, prefixed."""
         return {"host_tier_sessions": len(self.entries), "host_tier_bytes": self.nbytes,
                 "host_tier_budget_bytes": self.budget_bytes, **{f"host_tier_{k}": v for k, v in self.counters.items()}}
+
+
+def saved_kv_ref(path, token_ids: list[int]) -> tuple:
+    """What a sequence records of its saved KV (``Sequence.disk_kv``): the file, the token ids it holds, and the file's
+    size and modification time (a file another process replaced since is not used)."""
+    st = os.stat(path)
+    return str(path), list(token_ids), (st.st_size, st.st_mtime_ns)
+
+
+def load_saved_kv(path: str, token_ids: list[int], stamp: tuple) -> tuple[list[int], dict[str, torch.Tensor]] | None:
+    """The disk tier: ``(token_ids, kv)`` from a session's saved ``kv.safetensors`` (:meth:`turbo.session.Session.save`
+    with ``include_kv`` records it on its sequence, :func:`saved_kv_ref`), ``None`` when it is gone, unreadable or
+    replaced since (then the history is recomputed)."""
+    from safetensors.torch import load_file
+    try:
+        st = os.stat(path)
+        if (st.st_size, st.st_mtime_ns) != stamp:
+            return None
+        return list(token_ids), load_file(path)
+    except Exception:  # noqa: BLE001 - deleted, truncated, replaced: the turn recomputes
+        return None
 
 
 def prefix_kv(kv: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:

@@ -51,6 +51,8 @@ class Sequence:
     num_preemptions: int = 0
     # an identical prompt being prefilled: this one waits for it, then reuses its blocks from the prefix cache
     after: "Sequence | None" = field(default=None, compare=False, repr=False)
+    # where a saved copy of this session's KV lies: (kv.safetensors, the token ids it holds), the disk tier
+    disk_kv: tuple | None = field(default=None, compare=False, repr=False)
 
     @property
     def held(self) -> bool:

@@ -38,7 +38,8 @@ class ServerMetrics:
         self.itl = Histogram("liteturbo_inter_token_latency_seconds", "Mean time between output tokens of a request",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.tier = Gauge("liteturbo_session_host_tier", "The host tier of session KV (--session-host-gib): sessions, "
-                          "bytes, spills, hits (restored instead of recomputed), dropped, restore_seconds",
+                          "bytes, spills, host_hits / disk_hits (restored instead of recomputed), dropped, "
+                          "host_restore_seconds / disk_restore_seconds, spill_seconds",
                           ["figure"], registry=r)
         self._prompt_tokens = 0
         self._cached_tokens = 0
