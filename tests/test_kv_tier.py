@@ -1,6 +1,7 @@
 """The host tier of session KV (turbo/core/kv_tier.py): an evicted idle session's KV comes back from host memory on
 its next turn (cached tokens, replies equal to a pool that never evicted, in 16-bit and int4 storage), the budget
-pushes out the least recently spilled, and a closed session's KV leaves the tier."""
+pushes out the least recently spilled, a closed session's KV leaves the tier, the disk tier is a session's saved KV;
+and the session overflow policy (refuse, or drop the oldest turns)."""
 from __future__ import annotations
 
 import pytest
@@ -105,3 +106,27 @@ def test_the_disk_tier_is_the_sessions_saved_kv(tiny, tmp_path):
     (tmp_path / "s0" / "kv.safetensors").write_bytes(b"not the saved KV")
     again = ss[0].chat("and", max_new_tokens=3, ignore_eos=True)
     assert e.stats()["host_tier_disk_hits"] == hits and isinstance(again, str)
+
+
+def test_session_overflow_refuses_with_both_numbers_or_drops_the_oldest_turns(tiny):
+    words = " ".join(["the", "of", "and", "to"] * 10)  # 40 tokens a message
+    refuse = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=1024, block_size=16, session_len=160))
+    s = refuse.session(system="the of")
+    s.chat(words, max_new_tokens=4, ignore_eos=True)
+    s.chat(words, max_new_tokens=4, ignore_eos=True)
+    before = list(s.messages)
+    with pytest.raises(LiteturboError, match=r"would reach \d+ tokens but session_len is 160"):
+        s.chat(words + " " + words, max_new_tokens=4, ignore_eos=True)
+    assert s.messages == before  # refused: nothing changed
+    drop = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=1024, block_size=16, session_len=160,
+                                     session_overflow="drop-oldest"))
+    d = drop.session(system="the of")
+    for i in range(6):
+        d.chat(f"{words} turn {i}", max_new_tokens=4, ignore_eos=True)  # would reach ~300 tokens
+    assert d.messages[0] == {"role": "system", "content": "the of"}
+    users = [m["content"] for m in d.messages if m["role"] == "user"]
+    assert users[-1].endswith("turn 5") and len(users) < 6 and users == [f"{words} turn {i}" for i in
+                                                                         range(6 - len(users), 6)]
+    assert d.last.prompt_tokens < 160
+    with pytest.raises(LiteturboError, match="session_overflow"):
+        EngineConfig(session_overflow="truncate")

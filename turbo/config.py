@@ -83,6 +83,9 @@ class EngineConfig:
     session's KV moves, in its stored form, to host memory under this budget (least recently spilled leave first) and
     its next turn copies it back instead of recomputing (default 0: off; the command line's
     ``--session-host-gib``). On a CPU the host tier is a separate budget beside the pool.
+    session_overflow: a session turn that would exceed ``session_len``: ``"refuse"`` (default; the error gives both
+    numbers and the session stays as it was) or ``"drop-oldest"`` (the oldest whole turns are dropped, the system
+    prompt kept, until it fits; the session then forgets them; the command line's ``--session-overflow``).
     """
 
     backend: str = "auto"
@@ -106,6 +109,7 @@ class EngineConfig:
     threads: int | str | None = None  # CPU threads: None/"auto", N, or -K (see backends.cpu_threads)
     tensor_parallel_size: int = 1
     session_host_gib: float = 0.0
+    session_overflow: str = "refuse"
 
     def __post_init__(self) -> None:
         if isinstance(self.device, torch.device):
@@ -120,6 +124,9 @@ class EngineConfig:
         for name in ("kv_cache_gib", "cache_max_entry_count"):
             _coerce(self, name, "float", optional=True)
         _coerce(self, "session_host_gib", "float")
+        _coerce(self, "session_overflow", "str")
+        if self.session_overflow not in ("refuse", "drop-oldest"):
+            raise LiteturboError(f"session_overflow must be 'refuse' or 'drop-oldest', got {self.session_overflow!r}")
         if not 0 <= self.session_host_gib < math.inf:
             raise LiteturboError(f"session_host_gib must be a finite number of GiB >= 0 (0: no host tier), got "
                                  f"{self.session_host_gib}")

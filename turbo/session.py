@@ -114,17 +114,34 @@ class Session:
                 {"role": "tool", "content": message, "tool_call_id": tool_call_id}
             messages = self.messages + [new]
             self._turn_tools = self.tools if tools is None else (tools or None)
-            if self._turn_tools or any(m["role"] == "tool" for m in messages):
-                text = render_prompt(self.engine.tokenizer, messages, self._turn_tools)
-                ids = self.engine.encode(text, add_special_tokens=False)
-            else:
-                ids = self.engine.chat_template_ids(messages)
+            ids = self._render(messages)
+            if len(ids) >= self.engine.session_len and self.engine.config.session_overflow == "drop-oldest":
+                messages, ids = self._drop_oldest(messages, ids)
             req = self.engine.add_request(ids, gen, priority=priority, seq=self.seq)
         except BaseException:
             self.busy = False
             raise
         req.keep_cache = True
         return req, messages
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        if self._turn_tools or any(m["role"] == "tool" for m in messages):
+            text = render_prompt(self.engine.tokenizer, messages, self._turn_tools)
+            return self.engine.encode(text, add_special_tokens=False)
+        return self.engine.chat_template_ids(messages)
+
+    def _drop_oldest(self, messages: list[dict], ids: list[int]) -> tuple[list[dict], list[int]]:
+        """``session_overflow="drop-oldest"``: drop the oldest whole turns (a user message and what answered it), the
+        system prompt kept, until the conversation fits ``session_len`` or only the new message is left (then
+        :meth:`~turbo.core.engine.EngineCore.add_request` refuses it with both numbers)."""
+        head = 1 if messages and messages[0]["role"] == "system" else 0
+        while len(ids) >= self.engine.session_len:
+            users = [i for i in range(head + 1, len(messages) - 1) if messages[i]["role"] == "user"]
+            if not users:  # the next user message would be the new one: nothing older to drop
+                break
+            messages = messages[:head] + messages[users[0]:]
+            ids = self._render(messages)
+        return messages, ids
 
     def end_turn(self, req: Request, messages: list[dict], out: GenerationOutput | None, pieces: list[str]) -> None:
         """Record a finished (or abandoned) turn: ``out`` is the request's output, or ``None`` when the consumer
