@@ -240,6 +240,7 @@ SAMPLING_FIELDS = (
     SamplingField("ignore_eos", "ignore_eos", "bool", False),
     SamplingField("min_tokens", "min_new_tokens", "int", 0, lo=0, hi="max_new_tokens"),
     SamplingField(None, "logprobs", "int", 0, lo=0, hi=20),  # the HTTP API's logprobs are a response option
+    SamplingField("speculative", "speculative", "int", 0, lo=0, hi=16),  # prompt-lookup draft tokens per step
 )
 SAMPLING = {f.keyword: f for f in SAMPLING_FIELDS}
 
@@ -322,6 +323,10 @@ class GenerationConfig:
     token. logit_bias: ``{token id: bias}`` added to those tokens' logits before sampling (with the penalties,
     so logprobs see it), each in [-100, 100] (OpenAI's ``logit_bias``; -100 bans a token in practice).
 
+    speculative: draft up to this many tokens per step by prompt lookup (the last tokens matched against the
+    request's own history) and verify them in one forward (:mod:`turbo.core.speculative`); greedy only (a request that
+    samples, has penalties, a logit bias, a constraint or logprobs decodes normally); 0 = off.
+
     Constrained decoding (at most one; compiled by llguidance when the request is added, see
     :mod:`turbo.core.guided`): json_schema: a JSON schema (a dict, ``True``, or its JSON text) the reply must
     match (``{"type": "object"}``: any JSON object, OpenAI's JSON mode); regex: a regular expression the whole
@@ -346,6 +351,7 @@ class GenerationConfig:
     frequency_penalty: float = _sampling_default("frequency_penalty")
     min_new_tokens: int = _sampling_default("min_new_tokens")
     logprobs: int = _sampling_default("logprobs")
+    speculative: int = _sampling_default("speculative")
     json_schema: dict | bool | str | None = None
     regex: str | None = None
     choice: list[str] | None = None

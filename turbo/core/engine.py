@@ -29,7 +29,7 @@ from lite.formats.checkpoint import weight_files
 
 from ..config import EngineConfig, GenerationConfig
 from ..errors import EngineDead
-from . import inputs
+from . import inputs, speculative
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .guided import Guide, MaskJob
 from .kv_tier import HostTier, common_prefix, load_saved_kv, prefix_kv, timed
@@ -66,7 +66,8 @@ class EngineCore:
         self._ids = itertools.count()
         self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "last_prefill_tokens": 0,
                          "generated_tokens": 0, "busy_seconds": 0.0,
-                         "mask_rows": 0, "mask_seconds": 0.0, "mask_wait_seconds": 0.0}
+                         "mask_rows": 0, "mask_seconds": 0.0, "mask_wait_seconds": 0.0,
+                         "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0}
 
     # --- requests --------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], gen: GenerationConfig | None = None, priority: int = 0,
@@ -176,7 +177,9 @@ class EngineCore:
             if self.dead is not None:  # a tensor-parallel rank is gone: every request ends with the error
                 self._fail_all(EngineDead(self.dead + "; the engine cannot continue: restart it"))
             t0 = time.perf_counter()
+            drafted = speculative.propose_drafts(self)  # prompt-lookup drafts of speculating requests
             sched = self.scheduler.schedule()
+            speculative.fit_drafts(sched, drafted)
             if not sched.seqs:
                 self._refuse_unfittable()
                 return []
@@ -185,10 +188,11 @@ class EngineCore:
                 self.thread_control.begin_step(len(sched.seqs), sched.total_tokens)
                 masks = self._start_masks(sched)  # constraints' masks on a CPU thread while the forward runs
                 logits = self.runner.run(step_input(sched.seqs, sched.num_new_tokens, self.block_manager))
+                first_row = list(itertools.accumulate((s.num_drafts + 1 for s in sched.seqs), initial=0))
                 ready = self.scheduler.update_from_output(sched)
                 allowed = {} if masks is None else masks.result()
-                touched = self._emit_tokens(logits, [(row, self.requests[sched.seqs[row].seq_id]) for row in ready],
-                                            allowed)
+                touched = self._emit_tokens(logits, [(i, first_row[i], self.requests[sched.seqs[i].seq_id])
+                                                     for i in ready], allowed)
             except BaseException as e:
                 self._fail(sched, e)
                 raise
@@ -241,29 +245,34 @@ class EngineCore:
                   for seq, n in zip(sched.seqs, sched.num_new_tokens)]
         return MaskJob(guides, self.vocab_size) if any(g is not None for g in guides) else None
 
-    def _emit_tokens(self, logits: torch.Tensor, ready: list[tuple[int, Request]],
+    def _emit_tokens(self, logits: torch.Tensor, ready: list[tuple[int, int, Request]],
                      masks: dict[int, torch.Tensor]) -> list[Request]:
-        """Sample a token for each (logits row, request) in one batched draw on the logits' device (one host
-        synchronization) and append it; a request whose sampling fails alone ends with its error. ``masks``: logits
-        row -> the tokens its constraint allows."""
-        for _, req in ready:
+        """Sample a token for each (step row, logits row, request) in one batched draw on the logits' device (one host
+        synchronization) and append it; a request whose sampling fails alone ends with its error. ``masks``: step
+        row -> the tokens its constraint allows. A request with speculative drafts verifies them instead
+        (:func:`turbo.core.speculative.verify_drafts`)."""
+        spec = [(row, req) for _, row, req in ready if req.seq.num_drafts]
+        ready = [(row, req, i) for i, row, req in ready if not req.seq.num_drafts]
+        for row, req in spec:
+            speculative.verify_drafts(self, logits, row, req)
+        for _, req, _ in ready:
             if not req.output_ids:
                 self.counters["prefill_tokens"] += req.prompt_len - req.cached_tokens
                 self.counters["last_prefill_tokens"] = req.prompt_len - req.cached_tokens
             else:
                 self.counters["decode_tokens"] += 1
         if not ready:
-            return []
+            return [req for _, req in spec]
         opts = [RowSampling.of(
             req.gen, generator=req.rng, output_ids=req.output_ids,
             prompt_ids=req.seq.token_ids[:req.prompt_len] if req.gen.repetition_penalty != 1.0 else (),
             banned_ids=req.stop_ids if len(req.output_ids) < req.gen.min_new_tokens and req.guide is None else (),
-            token_mask=masks.get(row)) for row, req in ready]
+            token_mask=masks.get(i)) for _, req, i in ready]
         try:
-            picks = sample_batch(logits, opts, [row for row, _ in ready])
+            picks = sample_batch(logits, opts, [row for row, _, _ in ready])
         except Exception:  # some request's sampling failed: find it by sampling each row alone
-            picks = [self._sample_alone(logits, row, req, opt) for (row, req), opt in zip(ready, opts)]
-        for (_, req), pick in zip(ready, picks):
+            picks = [self._sample_alone(logits, row, req, opt) for (row, req, _), opt in zip(ready, opts)]
+        for (_, req, _), pick in zip(ready, picks):
             try:
                 if isinstance(pick, Exception):
                     raise pick
@@ -274,7 +283,7 @@ class EngineCore:
             except Exception as e:  # this request's sampling failed: it alone ends, with the error kept
                 req.error = e
                 self._finish(req, "error")
-        return [req for _, req in ready]
+        return [req for _, req, _ in ready] + [req for _, req in spec]
 
     @staticmethod
     def _sample_alone(logits: torch.Tensor, row: int, req: Request, opt: RowSampling):

@@ -145,7 +145,8 @@ class Request:
 
 def step_input(seqs, num_new_tokens, block_manager) -> StepInput:
     """The :class:`StepInput` of a scheduled step: for each sequence its next ``n`` tokens, their positions and KV
-    slots (from its block table), its context length and the row of its last token (whose logits are sampled)."""
+    slots (from its block table), its context length and the row of its last token (whose logits are sampled); a
+    sequence with ``num_drafts`` speculative tokens gets the rows of its last ``num_drafts + 1`` tokens."""
     ids, pos, slots, qs, ctx, tables, rows = [], [], [], [0], [], [], []
     for seq, n in zip(seqs, num_new_tokens):
         s, e = seq.num_computed, seq.num_computed + n
@@ -155,5 +156,5 @@ def step_input(seqs, num_new_tokens, block_manager) -> StepInput:
         qs.append(qs[-1] + n)
         ctx.append(e)
         tables.append(seq.block_table)
-        rows.append(qs[-1] - 1)
+        rows.extend(range(qs[-1] - 1 - seq.num_drafts, qs[-1]))
     return StepInput(ids, pos, slots, qs, ctx, tables, rows)

@@ -53,6 +53,7 @@ class Sequence:
     after: "Sequence | None" = field(default=None, compare=False, repr=False)
     # where a saved copy of this session's KV lies: (kv.safetensors, the token ids it holds), the disk tier
     disk_kv: tuple | None = field(default=None, compare=False, repr=False)
+    num_drafts: int = 0  # speculative draft tokens at the end of token_ids, not verified yet (turbo/core/speculative.py)
 
     @property
     def held(self) -> bool:
@@ -232,7 +233,8 @@ class Scheduler:
         ready = []
         for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
             seq.num_computed += n
-            self.bm.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed)
+            # unverified draft tokens are never offered to the prefix cache
+            self.bm.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed - seq.num_drafts)
             if seq.num_computed >= seq.num_tokens:
                 ready.append(row)
         return ready

@@ -93,6 +93,7 @@ class Served:
     session_meta: dict[str, tuple[dict, int]] = field(default_factory=dict)
     persist: bool = False  # save sessions under the session dir after every turn
     tool_parser: ToolParser | None = None  # the model's tool-call format (turbo/serve/tools.py)
+    base: dict = field(default_factory=dict)  # the server's sampling defaults under every request's (--speculative)
 
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "liteturbo",
@@ -100,7 +101,7 @@ class Served:
 
     def gen(self, *layers: dict) -> GenerationConfig:
         """A request's :class:`~turbo.config.GenerationConfig` (400 when the layers do not fit)."""
-        return gen_config(self.client.session_len, *layers)
+        return gen_config(self.client.session_len, self.base, *layers)
 
     def chat_ids(self, messages: list[dict], tool_req: ToolRequest | None) -> list[int]:
         """Token ids of a conversation ready for the reply: the chat template (with the tools, or the fallback
@@ -352,7 +353,7 @@ def _inproc_client(engine: Engine, loop: EngineLoop | None, sessions: SessionReg
 def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_name: str | None = None,
                api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20,
                sessions: SessionRegistry | None = None, session_dir: bool | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, speculative: int = 0) -> FastAPI:
     """The FastAPI app serving ``engine``: an :class:`Engine` in this process, or an
     :class:`~turbo.serve.mp_client.MPClient` of an engine process (then ``loop`` and ``sessions`` must be None and
     the app closes the client when it shuts down).
@@ -367,7 +368,9 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     with its idle expiry and caps). session_dir: whether sessions are saved after every turn (default: whether
     the registry has a session dir; an MPClient's engine process saves when this is true). tool_call_parser: the
     format tool calls are read in (:data:`turbo.serve.tools.PARSERS`; default: the one the chat template writes,
-    else ``hermes``, see :func:`turbo.serve.tools.choose_parser`). Raises ``LiteturboError`` for bad arguments.
+    else ``hermes``, see :func:`turbo.serve.tools.choose_parser`). speculative: the default of the requests'
+    ``speculative`` (prompt-lookup draft tokens per step; greedy requests only; 0: off). Raises ``LiteturboError`` for
+    bad arguments.
     """
     if not is_int(max_request_bytes) or max_request_bytes < 1:
         raise LiteturboError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
@@ -384,7 +387,9 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     chat_page = (resources.files(__package__) / "static" / "chat.html").read_text(encoding="utf-8")
     s = Served(client, model_name or client.path.name, keys, max_request_bytes, owned, metrics, chat_page,
                Tokens(client.tokenizer), persist=bool(session_dir),
-               tool_parser=ToolParser(choose_parser(client.tokenizer, tool_call_parser)))
+               tool_parser=ToolParser(choose_parser(client.tokenizer, tool_call_parser)),
+               base={"speculative": speculative} if speculative else {})
+    s.gen({})  # a bad default fails here, at start-up
     app = FastAPI(title="liteturbo", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.served, app.state.model_name, app.state.metrics = s, s.model_id, metrics
@@ -402,7 +407,8 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
 def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: str | None = None,
           api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20, log_level: str = "info",
           session_dir: str | None = None, max_sessions: int = 256, session_idle_timeout: float = 3600.0,
-          engine_process: bool = True, tool_call_parser: str | None = None, **engine_options) -> None:
+          engine_process: bool = True, tool_call_parser: str | None = None, speculative: int = 0,
+          **engine_options) -> None:
     """Load ``model`` (name or checkpoint folder) into an :class:`Engine` with ``engine_options``
     (:class:`~turbo.config.EngineConfig` fields) and serve it with uvicorn on ``host:port`` until interrupted.
     ``engine_process``: run the engine in a process of its own (:mod:`turbo.serve.engine_proc`; default) or in
@@ -427,11 +433,13 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
         if client.restored:
             print(f"[liteturbo] restored {client.restored} session(s) from {session_dir}", file=sys.stderr)
         app = create_app(client, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
-                         session_dir=session_dir is not None, tool_call_parser=tool_call_parser)
+                         session_dir=session_dir is not None, tool_call_parser=tool_call_parser,
+                         speculative=speculative)
     else:
         engine = Engine(model, **engine_options)
         app = create_app(engine, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
-                         sessions=SessionRegistry(engine, **registry), tool_call_parser=tool_call_parser)
+                         sessions=SessionRegistry(engine, **registry), tool_call_parser=tool_call_parser,
+                         speculative=speculative)
     _run(app, host, port, log_level, bool(keys))
 
 

@@ -41,6 +41,9 @@ class ServerMetrics:
                           "bytes, spills, host_hits / disk_hits (restored instead of recomputed), dropped, "
                           "host_restore_seconds / disk_restore_seconds, spill_seconds",
                           ["figure"], registry=r)
+        self.spec = Gauge("liteturbo_speculative", "Speculative decoding since start: steps (verify steps), drafted "
+                          "and accepted tokens, acceptance (accepted / drafted), tokens_per_step", ["figure"],
+                          registry=r)
         self._prompt_tokens = 0
         self._cached_tokens = 0
 
@@ -66,6 +69,11 @@ class ServerMetrics:
         self.blocks_used.set(st["blocks_total"] - st["blocks_free"])
         self.hit_rate.set(self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0)
         self.sessions_gauge.set(self._sessions())
+        steps, drafted, acc = st.get("spec_steps", 0), st.get("spec_drafted", 0), st.get("spec_accepted", 0)
+        for k, v in (("steps", steps), ("drafted", drafted), ("accepted", acc),
+                     ("acceptance", acc / drafted if drafted else 0.0),
+                     ("tokens_per_step", (acc + steps) / steps if steps else 0.0)):
+            self.spec.labels(k).set(v)
         for k, v in st.items():
             if k.startswith("host_tier_") and k != "host_tier_budget_bytes":
                 self.tier.labels(k.removeprefix("host_tier_")).set(v)

@@ -1,0 +1,109 @@
+"""Speculative decoding from the request's own history (turbo/core/speculative.py): prompt lookup and acceptance by
+hand, and the engine's greedy output with drafts equal to the output without, token for token (float32), with stop
+strings and token limits inside an accepted run, in a session and beside other requests, and the prefix cache kept
+clean of rejected drafts."""
+from __future__ import annotations
+
+import pytest
+
+from lite.formats import LiteturboError
+from turbo import Engine, EngineConfig, GenerationConfig
+from turbo.core.speculative import accepted, eligible, propose
+
+
+def test_prompt_lookup_and_acceptance_by_hand():
+    h = [5, 6, 7, 8, 9, 1, 2, 6, 7, 8]
+    assert propose(h, 3) == [9, 1, 2]  # "6 7 8" seen before, followed by 9 1 2
+    assert propose([1, 2, 3, 4], 2) == []  # no earlier match
+    assert propose([3, 4, 1, 2, 9, 9, 3, 4], 4) == [1, 2, 9, 9]  # 2-gram when no 3-gram matches
+    assert propose([1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2]  # the most recent match, cut by the history's end
+    assert accepted([4, 5, 6], [4, 5, 9]) == 2 and accepted([1], []) == 0 and accepted([7, 8], [8]) == 0
+    assert eligible(GenerationConfig(speculative=2)) and not eligible(GenerationConfig(speculative=2, temperature=1))
+    assert not eligible(GenerationConfig(speculative=2, logprobs=2)) and not eligible(GenerationConfig())
+    with pytest.raises(LiteturboError, match="speculative"):
+        GenerationConfig(speculative=17)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    return Engine(smollm2_path, EngineConfig(dtype="float32", max_kv_tokens=4096, block_size=16))
+
+
+TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished the great "
+        "lens, and wrote the weather in his log: wind from the west, clouds low, a fishing boat returning late.")
+
+
+def _ids(engine, msg):
+    return engine.chat_template_ids([{"role": "user", "content": msg}])
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_greedy_tokens_equal_without_drafts(engine, k):
+    p = _ids(engine, "Repeat this text exactly:\n\n" + TEXT)
+    want = engine.generate(p, GenerationConfig(max_new_tokens=60))
+    c0 = dict(engine.counters)
+    got = engine.generate(p, GenerationConfig(max_new_tokens=60, speculative=k))
+    assert got.token_ids == want.token_ids and got.text == want.text and got.finish_reason == want.finish_reason
+    steps = engine.counters["spec_steps"] - c0["spec_steps"]
+    acc = engine.counters["spec_accepted"] - c0["spec_accepted"]
+    assert steps > 0 and acc > steps // 2  # the text repeats the prompt: most drafts are kept
+
+
+def test_stops_and_limits_inside_an_accepted_run_and_batched_with_others(engine):
+    p = _ids(engine, "Repeat this text exactly:\n\n" + TEXT)
+    ref = engine.generate(p, GenerationConfig(max_new_tokens=60))
+    stop = ref.text.split()[8]  # a word in the middle of a copied run
+    for gen in (GenerationConfig(max_new_tokens=23), GenerationConfig(max_new_tokens=60, stop=[stop])):
+        want = engine.generate(p, gen)
+        got = engine.generate(p, GenerationConfig(**{**gen.__dict__, "speculative": 4}))
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert len(engine.generate(p, GenerationConfig(max_new_tokens=23, speculative=4)).token_ids) == 23
+    # beside a sampled request and a plain greedy one, in one batch
+    other = _ids(engine, "Write a haiku.")
+    outs = engine.generate([p, other, other], GenerationConfig(max_new_tokens=40, speculative=3))
+    alone = [engine.generate(x, GenerationConfig(max_new_tokens=40)) for x in (p, other)]
+    assert outs[0].token_ids == alone[0].token_ids and outs[1].token_ids == alone[1].token_ids
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(engine):
+    p = _ids(engine, "Continue this story in your own words:\n\n" + TEXT)
+    first = engine.generate(p, GenerationConfig(max_new_tokens=48, speculative=6))
+    # the whole conversation again: the cached blocks must hold exactly these tokens' KV
+    again = engine.generate(p + first.token_ids[:-1], GenerationConfig(max_new_tokens=8))
+    fresh = Engine(engine.path, EngineConfig(dtype="float32", max_kv_tokens=4096, block_size=16,
+                                             enable_prefix_caching=False))
+    want = fresh.generate(p + first.token_ids[:-1], GenerationConfig(max_new_tokens=8))
+    assert again.cached_tokens > len(p) and again.token_ids == want.token_ids
+
+
+def test_a_session_speculates_turn_after_turn(engine):
+    s = engine.session()
+    plain = engine.session()
+    for msg in ("Repeat exactly: " + TEXT, "Now repeat it once more."):
+        assert s.chat(msg, max_new_tokens=50, speculative=3) == plain.chat(msg, max_new_tokens=50)
+    s.close()
+    plain.close()
+
+
+def test_the_server_default_and_the_request_field(engine):
+    import httpx
+
+    from conftest import serve_in_thread
+    from turbo.serve.app import create_app
+
+    url, stop = serve_in_thread(create_app(engine, model_name="s", api_keys="", speculative=3))
+    try:
+        body = {"messages": [{"role": "user", "content": "Repeat this text exactly:\n\n" + TEXT}], "max_tokens": 40,
+                "temperature": 0}
+        c0 = engine.counters["spec_steps"]
+        on = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        c1 = engine.counters["spec_steps"]
+        off = httpx.post(f"{url}/v1/chat/completions", json=dict(body, speculative=0), timeout=60).json()
+        assert c1 > c0 and engine.counters["spec_steps"] == c1  # the default drafts; speculative=0 turns it off
+        assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert 'liteturbo_speculative{figure="tokens_per_step"}' in metrics
+        bad = httpx.post(f"{url}/v1/chat/completions", json=dict(body, speculative=99), timeout=30)
+        assert bad.status_code == 400 and "speculative" in bad.text
+    finally:
+        stop()
