@@ -130,3 +130,13 @@ def test_session_overflow_refuses_with_both_numbers_or_drops_the_oldest_turns(ti
     assert d.last.prompt_tokens < 160
     with pytest.raises(LiteturboError, match="session_overflow"):
         EngineConfig(session_overflow="truncate")
+
+
+def test_the_planner_counts_the_host_tier(smollm2_path):
+    from turbo.plan import plan_checkpoint
+
+    p, _ = plan_checkpoint(str(smollm2_path), device="cpu", session_len=2048, kv_cache_dtype="int8")
+    p.with_host_tier(1.0)
+    assert p.host_tier_sessions == 2**30 // (p.kv_bytes_per_token * 2048) > 0
+    assert "session host tier" in p.table() and p.engine_options["session_host_gib"] == 1.0
+    assert p.to_dict()["host_tier_sessions"] == p.host_tier_sessions

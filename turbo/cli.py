@@ -287,11 +287,13 @@ def route(args) -> None:
               help="Method whose peak memory the quantization line reports.")
 @click.option("--calib-samples", default=128, show_default=True, type=int)
 @click.option("--calib-seqlen", default=512, show_default=True, type=int)
+@click.option("--session-host-gib", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Count a host tier of this many GiB for idle sessions' KV (serve --session-host-gib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object (with a boolean `fits`).")
 @friendly_errors
 def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_dtype, session_len, max_batch_size,
          max_num_batched_tokens, block_size, max_kv_tokens, tp, quant_method, calib_samples, calib_seqlen,
-         as_json) -> None:
+         session_host_gib, as_json) -> None:
     """Will MODEL fit, with how much context and how many sessions? MODEL: a checkpoint folder (16-bit or
     quantized), a folder with only config.json, or a config.json file; nothing is loaded. Prints weights by part,
     workspace, KV bytes per token, pool tokens, sessions at once, whether it fits, the options to serve it, and
@@ -305,6 +307,7 @@ def plan(model, gpu_mem, device, backend, dtype, w_bits, w_group_size, kv_cache_
         w_bits=None if w_bits is None else int(w_bits), w_group_size=w_group_size, kv_cache_dtype=kv_cache_dtype,
         session_len=session_len, max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size, max_kv_tokens=max_kv_tokens, tp=tp)
+    p.with_host_tier(session_host_gib)
     if quantize_first:  # the lite side: can this device run the layer-by-layer pipeline for it?
         import torch
 

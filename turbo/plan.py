@@ -60,6 +60,19 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     raw_config: dict = field(default_factory=dict, repr=False)
     tensor_parallel_size: int = 1
+    host_tier_bytes: int = 0  # --session-host-gib: idle sessions' KV in host memory (turbo/core/kv_tier.py)
+
+    @property
+    def host_tier_sessions(self) -> int:
+        """Idle sessions of ``session_len`` tokens the host tier holds (their KV in its stored form)."""
+        return self.host_tier_bytes // max(self.kv_bytes_per_token * self.session_len, 1)
+
+    def with_host_tier(self, gib_: float) -> "Plan":
+        """This plan with a host tier of ``gib_`` GiB for idle sessions' KV (``--session-host-gib``)."""
+        self.host_tier_bytes = int(gib_ * 2**30)
+        if gib_ > 0:
+            self.engine_options["session_host_gib"] = gib_
+        return self
 
     @property
     def weights_total(self) -> int:
@@ -72,7 +85,8 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("raw_config", None)
-        d.update(weights_total=self.weights_total, workspace_total=self.workspace_total)
+        d.update(weights_total=self.weights_total, workspace_total=self.workspace_total,
+                 host_tier_sessions=self.host_tier_sessions)
         return d
 
     def serve_command(self, model_arg: str) -> str:
@@ -102,6 +116,11 @@ class Plan:
         rows.append(("KV pool", gib(self.pool_bytes), f"{_n(self.pool_tokens, 'token')} in "
                                                       f"{_n(self.pool_blocks, 'block')} of {self.block_size}"))
         rows.append(("sessions at once", str(self.sessions_at_once), f"of session_len {self.session_len:,} tokens"))
+        if self.host_tier_bytes:
+            per = self.kv_bytes_per_token * self.session_len
+            rows.append(("session host tier", gib(self.host_tier_bytes),
+                         f"host memory: {_n(self.host_tier_sessions, 'idle session')} of {self.session_len:,} tokens "
+                         f"({gib(per)} each), or {self.host_tier_bytes // max(self.kv_bytes_per_token, 1):,} tokens"))
         rows.append(("fits", "yes" if self.fits else "NO", self.reason))
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
