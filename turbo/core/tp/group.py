@@ -53,8 +53,11 @@ def unpack(data: bytes) -> dict[str, torch.Tensor]:
 
 def _death(rank: int, proc) -> str:
     """Who died and how, for messages: rank, pid, exit code or signal."""
-    if proc.exitcode is None:  # its pipe closed first: give the exit status a moment to be reaped
-        proc.join(2.0)
+    # its pipe may close before its exit status is reaped, and another thread joining it may reap it first (then
+    # this thread's waitpid fails until that one has stored the status): poll for up to 2 s
+    deadline = time.monotonic() + 2.0
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     code = proc.exitcode
     if code is None:
         return f"tensor-parallel worker rank {rank} (pid {proc.pid}) stopped answering (its pipe closed)"
