@@ -140,3 +140,35 @@ def test_the_planner_counts_the_host_tier(smollm2_path):
     assert p.host_tier_sessions == 2**30 // (p.kv_bytes_per_token * 2048) > 0
     assert "session host tier" in p.table() and p.engine_options["session_host_gib"] == 1.0
     assert p.to_dict()["host_tier_sessions"] == p.host_tier_sessions
+
+
+def test_drop_oldest_drops_even_the_only_earlier_turn_and_plan_refuses_nan(tiny):
+    words = " ".join(["the", "of", "and", "to"] * 25)  # 100 tokens
+    e = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=1024, block_size=16, session_len=160,
+                                  session_overflow="drop-oldest"))
+    s = e.session(system="the of")
+    s.chat(words, max_new_tokens=4, ignore_eos=True)
+    s.chat(words + " and", max_new_tokens=4, ignore_eos=True)  # would reach ~215 tokens: the first turn goes
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant"]
+    assert s.messages[1]["content"].endswith(" and")
+    from turbo.plan import plan_checkpoint
+    p, _ = plan_checkpoint("smollm2-135m-instruct", device="cpu")
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(LiteturboError, match="session-host-gib"):
+            p.with_host_tier(bad)
+
+
+def test_a_restored_session_without_room_now_loads_its_kv_from_disk_later(tiny, tmp_path):
+    big = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=2048, block_size=16))
+    saved = []
+    for i, system in enumerate(("the of", "and to", "in a")):
+        s = big.session(system=system)
+        s.chat(TEXT, max_new_tokens=4, ignore_eos=True)
+        s.save(tmp_path / f"s{i}", include_kv=True)
+        saved.append(len(s.seq.token_ids))
+    small = Engine(tiny, EngineConfig(dtype="float32", max_kv_tokens=256, block_size=16))  # holds about two
+    with pytest.warns(UserWarning, match="loads it from this file when there is room"):
+        restored = [small.load_session(tmp_path / f"s{i}") for i in range(3)]
+    last = restored[-1]  # the one that found no room
+    last.chat("of", max_new_tokens=2, ignore_eos=True)
+    assert small.stats()["host_tier_disk_hits"] >= 1 and last.last.cached_tokens >= saved[-1] - 2

@@ -68,7 +68,10 @@ class Plan:
         return self.host_tier_bytes // max(self.kv_bytes_per_token * self.session_len, 1)
 
     def with_host_tier(self, gib_: float) -> "Plan":
-        """This plan with a host tier of ``gib_`` GiB for idle sessions' KV (``--session-host-gib``)."""
+        """This plan with a host tier of ``gib_`` GiB for idle sessions' KV (``--session-host-gib``). Raises
+        ``LiteturboError`` for a negative or non-finite size."""
+        if not 0 <= gib_ < float("inf"):
+            raise LiteturboError(f"--session-host-gib must be a finite number of GiB >= 0, got {gib_}")
         self.host_tier_bytes = int(gib_ * 2**30)
         if gib_ > 0:
             self.engine_options["session_host_gib"] = gib_

@@ -135,11 +135,10 @@ class Session:
         system prompt kept, until the conversation fits ``session_len`` or only the new message is left (then
         :meth:`~turbo.core.engine.EngineCore.add_request` refuses it with both numbers)."""
         head = 1 if messages and messages[0]["role"] == "system" else 0
-        while len(ids) >= self.engine.session_len:
-            users = [i for i in range(head + 1, len(messages) - 1) if messages[i]["role"] == "user"]
-            if not users:  # the next user message would be the new one: nothing older to drop
-                break
-            messages = messages[:head] + messages[users[0]:]
+        while len(ids) >= self.engine.session_len and len(messages) - 1 > head:  # earlier turns are left
+            starts = [i for i in range(head + 1, len(messages) - 1) if messages[i]["role"] == "user"]
+            cut = starts[0] if starts else len(messages) - 1  # the second turn's start, or all but the new message
+            messages = messages[:head] + messages[cut:]
             ids = self._render(messages)
         return messages, ids
 
@@ -284,10 +283,14 @@ def load_session(engine: EngineCore, path: str | Path) -> Session:
     kv = _load_session_kv(kv_file)
     if kv is None:
         return drop("kv.safetensors cannot be read")
+    s.seq.disk_kv = saved_kv_ref(kv_file, token_ids[:n])  # the disk tier: loaded when there is room, if not now
     why = engine.import_kv(s.seq, kv, n)
-    if why is not None:
+    if why is not None and why.startswith("the KV pool has no room"):
+        warnings.warn(f"{path}: the saved KV cache is not loaded now ({why}); the next turn loads it from this file "
+                      f"when there is room, else recomputes the {len(token_ids)} tokens of history", stacklevel=2)
+    elif why is not None:
+        s.seq.disk_kv = None
         return drop(why)
-    s.seq.disk_kv = saved_kv_ref(kv_file, token_ids[:n])
     return s
 
 
