@@ -65,8 +65,9 @@ async def read_json(request: Request, limit: int, allow_empty: bool = False) -> 
         raise APIError(400, f"the request body must be a JSON object, got a JSON {kinds.get(type(data), 'value')}")
     where = _lone_surrogate(data)
     if where is not None:  # valid JSON, but no text: it cannot be tokenized, stored or sent back
+        top = where.removeprefix("a key of ").split("[")[0].split(".")[0]
         raise APIError(400, f"{where} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
-                            f"which is not text; send valid Unicode", param=where.split("[")[0].split(".")[0])
+                            f"which is not text; send valid Unicode", param=None if top == "the body" else top)
     return data
 
 
