@@ -14,7 +14,7 @@ import transformers
 
 from lite.formats import LiteturboError
 from turbo import Engine, GenerationConfig
-from turbo.core.guided import Guide, bitmask_words, unpack_bitmask
+from turbo.core.guided import Guide, bitmask_words, mask_bias
 from turbo.errors import InvalidRequest
 
 VOCAB = 320  # the model's vocabulary: 300 tokenizer entries + 20 padding ids no text maps to
@@ -89,7 +89,7 @@ def _brute_force_walk(tok, gen: GenerationConfig, ok, seed: int, exact: bool = T
     while not guide.stopped:
         bm = torch.zeros((1, bitmask_words(VOCAB)), dtype=torch.int32)
         guide.fill(bm, 0)
-        got = set(torch.nonzero(unpack_bitmask(bm, VOCAB)[0]).flatten().tolist())
+        got = set(torch.nonzero(mask_bias(bm, VOCAB)[0] == 0).flatten().tolist())
         want = {t for t, b in table.items() if ok(done + b, False)}
         if ok(done, True):
             want.add(tok.eos_token_id)

@@ -321,14 +321,8 @@ class EngineCore:
                 self.host_tier.put(seq.seq_id, ids, kv, count=False)  # no room now: maybe at the next admission
             return False
         with timed(self.host_tier.counters, f"{tier}_restore_seconds"):
-            self.block_manager.ensure_capacity(seq.block_table, n)
-            try:
-                self.runner.import_kv(prefix_kv(kv, n), self.block_manager.slots(seq.block_table, 0, n))
-            except ValueError:
-                self.block_manager.free(seq.block_table)
+            if self._load_kv(seq, prefix_kv(kv, n), n) is not None:
                 return False
-        seq.num_computed = n
-        self.block_manager.register_full_blocks(seq.token_ids, seq.block_table, n)
         self.host_tier.counters[f"{tier}_hits"] += 1
         return True
 
@@ -403,22 +397,29 @@ class EngineCore:
         then nothing is held and the tokens will be recomputed. Raises :class:`~turbo.errors.EngineDead` when a
         tensor-parallel rank is gone."""
         with self.lock:
-            try:
-                self.block_manager.ensure_capacity(seq.block_table, n)
-            except Exception:
-                self.block_manager.free(seq.block_table)
-                return "the KV pool has no room for it now"
-            try:  # validates every tensor before writing any
-                self.runner.import_kv(kv, self.block_manager.slots(seq.block_table, 0, n))
-            except ValueError as e:
-                self.block_manager.free(seq.block_table)
-                if isinstance(e, EngineDead):
-                    raise
-                return str(e)
-            seq.num_computed = n
-            self.block_manager.register_full_blocks(seq.token_ids, seq.block_table, n)
-            self.scheduler.finish(seq, keep_cache=True)
-            return None
+            why = self._load_kv(seq, kv, n)
+            if why is None:
+                self.scheduler.finish(seq, keep_cache=True)
+            return why
+
+    def _load_kv(self, seq: Sequence, kv: dict[str, torch.Tensor], n: int) -> str | None:
+        """Write exported K/V of ``seq``'s first ``n`` tokens into fresh blocks and mark them computed (offered to the
+        prefix cache); or why not (no room, tensors of another shape), then nothing is held."""
+        try:
+            self.block_manager.ensure_capacity(seq.block_table, n)
+        except Exception:
+            self.block_manager.free(seq.block_table)
+            return "the KV pool has no room for it now"
+        try:  # validates every tensor before writing any
+            self.runner.import_kv(kv, self.block_manager.slots(seq.block_table, 0, n))
+        except ValueError as e:
+            self.block_manager.free(seq.block_table)
+            if isinstance(e, EngineDead):
+                raise
+            return str(e)
+        seq.num_computed = n
+        self.block_manager.register_full_blocks(seq.token_ids, seq.block_table, n)
+        return None
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -164,22 +164,10 @@ class Guide:
         """Whether the grammar can take no more tokens (the reply is complete)."""
         return self.matcher.is_stopped()
 
-    @property
-    def accepting(self) -> bool:
-        """Whether the text so far is a complete match (the reply may end here)."""
-        return self.matcher.is_accepting()
-
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words of one row's bitmask."""
     return (vocab_size + 31) // 32
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bool ``[rows, vocab_size]``: which tokens int32 ``bitmask [rows, words]`` allows."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 _BIAS_TABLE: torch.Tensor | None = None

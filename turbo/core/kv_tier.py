@@ -13,6 +13,7 @@ prefix caches); here it is per session, in the stored form, with no format chang
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import OrderedDict
@@ -114,12 +115,11 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return n
 
 
+@contextlib.contextmanager
 def timed(counters: dict, key: str):
-    """A context manager adding the seconds its block takes to ``counters[key]``."""
-    class _T:
-        def __enter__(self):
-            self.t0 = time.perf_counter()
-
-        def __exit__(self, *exc):
-            counters[key] += time.perf_counter() - self.t0
-    return _T()
+    """Add the seconds the ``with`` block takes to ``counters[key]``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        counters[key] += time.perf_counter() - t0
