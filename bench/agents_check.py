@@ -72,6 +72,7 @@ def _json_ok(text: str | None) -> bool:
 
 
 def check_schema(client, model: str, n: int) -> dict:
+    """Check 1: ``n`` strict json_schema replies, non-streamed and streamed, validated with jsonschema."""
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     ok = ok_stream = 0
     for i in range(n):
@@ -113,6 +114,7 @@ def _stream_calls(client, **kw) -> tuple[list[tuple[str, str]], str | None]:
 
 
 def check_tools(client, model: str) -> dict:
+    """Check 2: tool_choice required (valid calls; stream joined == non-streamed) and a named tool_choice."""
     ok = joined = cached_same = 0
     for ask in ASKS:
         kw = dict(model=model, messages=[{"role": "user", "content": ask}], tools=TOOLS, tool_choice="required",
@@ -141,6 +143,7 @@ def check_tools(client, model: str) -> dict:
 
 
 def check_n_bias_guided(client, model: str) -> dict:
+    """Checks 3-5: n=3 with a seed repeats; logit_bias -100 bans a token; guided_regex / guided_choice hold."""
     msgs = [{"role": "user", "content": "Write one sentence about the sea."}]
     a = client.chat.completions.create(model=model, messages=msgs, n=3, seed=7, temperature=0.9, max_tokens=24)
     b = client.chat.completions.create(model=model, messages=msgs, n=3, seed=7, temperature=0.9, max_tokens=24)
@@ -174,6 +177,7 @@ def _token_id(client, model: str, raw: list[int]) -> int | None:
 
 
 def main() -> None:
+    """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint")
     ap.add_argument("--kv-cache-dtype", default="auto")

@@ -2,13 +2,17 @@
 in one run, on an input-grounded workload (rewriting, correcting or continuing a given text, a code edit) and on
 free chat; tokens compared one for one.
 
-    python bench/speculative.py [--checkpoint DIR] [--speculative 8] [--max-new-tokens 160] [--repeats 2] [--json]
+    python bench/speculative.py [--checkpoint DIR] [--speculative 2] [--max-new-tokens 160] [--repeats 2] [--json]
+    python bench/speculative.py --break-even [--checkpoint DIR] [--json]
 
 Without ``--checkpoint`` the embedded SmolLM2-135M-Instruct is quantized (RTN W4A16 g64) into a temporary folder.
 Batch 1, the engine's default dtype, 2 threads. For each workload: every prompt decoded with ``speculative=0`` and
 with ``speculative=K``, best of ``--repeats``; tokens/s = the workload's generated tokens after the first / the
 time after the first. The last JSON line has ``speedup_input_grounded``, ``speedup_free_chat``, ``identical`` (every
 prompt's tokens equal with and without) and the acceptance rates (accepted / drafted tokens).
+
+``--break-even``: the time of one forward of M new tokens (M = 1, 2, 3, 5, 9, 17) after a 256-token cached prefix
+(best of 6): what a verify step of M - 1 drafts costs against a 1-token decode step.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ FREE = ["Write a short poem about the sea.", "What are three tips for learning a
 
 
 def _run(engine, prompts, k: int, max_new: int, repeats: int):
+    """(tokens/s after the first token, every prompt's token ids, the speculation counters) of the best repeat."""
     from turbo import GenerationConfig
     best = None
     for _ in range(repeats):
@@ -59,7 +64,24 @@ def _run(engine, prompts, k: int, max_new: int, repeats: int):
     return best
 
 
+def break_even(engine) -> dict:
+    """Milliseconds of one step computing M new tokens after a cached 256-token prefix, for a few M."""
+    from turbo import GenerationConfig
+    base = engine.encode(" ".join(["word"] * 400))[:256]
+    engine.generate(base + [5], max_new_tokens=1)
+    out = {}
+    for m in (1, 2, 3, 5, 9, 17):
+        best = float("inf")
+        for r in range(6):
+            o = engine.generate(base + [100 + r + i for i in range(m)], GenerationConfig(max_new_tokens=1))
+            assert o.cached_tokens == 256, o.cached_tokens  # only the M new tokens were computed
+            best = min(best, o.ttft)
+        out[m] = round(best * 1000, 2)
+    return out
+
+
 def main() -> None:
+    """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint")
     ap.add_argument("--speculative", type=int, default=2, help="draft tokens per step (2: the best here, see docs)")
@@ -67,11 +89,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     add_batch_invariant_flag(ap)
+    ap.add_argument("--break-even", action="store_true", help="time one forward of M new tokens instead")
     args = ap.parse_args()
     from turbo import Engine
     path, _tmp = w4a16_checkpoint("smollm2-135m-instruct", 64, args.checkpoint)
     engine = Engine(path, threads=2, batch_invariant=args.batch_invariant)
     engine.generate("warm up", max_new_tokens=4)
+    if args.break_even:
+        ms = break_even(engine)
+        print(json.dumps({"step_ms_by_new_tokens": ms}) if args.json else
+              "\n".join(f"M = {m:2d}: {t:7.2f} ms" for m, t in ms.items()))
+        return
     out = {}
     identical = True
     for name, msgs in (("input_grounded", GROUNDED), ("free_chat", FREE)):

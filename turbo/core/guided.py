@@ -216,6 +216,7 @@ class MaskJob:
         self.compute_s = time.perf_counter() - t0
 
     def result(self) -> dict[int, torch.Tensor]:
+        """Wait for the masks; ``{row: float32 [vocab] of 0 / -inf}`` (see the class docstring)."""
         if self.future is None:
             return {}
         t0 = time.perf_counter()
