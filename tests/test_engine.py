@@ -69,12 +69,16 @@ def test_streaming_pieces_join_to_reply(engine):
 
 def test_abandoned_stream_keeps_history_consistent(engine):
     s = engine.session()
-    it = s.chat("Tell me a long story about a dragon.", stream=True, max_new_tokens=60)
+    it = s.chat("Tell me a long story about a dragon.", stream=True, max_new_tokens=60, keep_partial=True)
     first = [next(it) for _ in range(3)]
-    it.close()  # the client went away
+    it.close()  # the client went away; keep_partial: its partial reply is the assistant's turn
     assert s.messages[-1]["role"] == "assistant" and s.messages[-1]["content"] == "".join(first)
     reply = s.chat("Thanks. What is 2 + 2?", max_new_tokens=20)
     assert reply
+    it = s.chat("Another story?", stream=True, max_new_tokens=60)
+    next(it)
+    it.close()  # by default the abandoned turn is rolled back
+    assert len(s.messages) == 4 and s.messages[-1]["content"] == reply
     s.close()
 
 
@@ -217,7 +221,7 @@ def test_cancelled_and_failed_replies_keep_exactly_the_streamed_text(engine, cut
     full = engine.tokenizer.decode(ids)
     hold = GenerationConfig(max_new_tokens=len(ids), stop=[full[0] + "#"])  # always holds one character back
     s = engine.session()
-    it = s.chat(CUT_PROMPT, stream=True, gen=hold)
+    it = s.chat(CUT_PROMPT, stream=True, gen=hold, keep_partial=True)
     first = next(it)
     it.close()  # the client went away
     assert s.last.finish_reason == "cancelled" and len(s.last.token_ids) > len(first)

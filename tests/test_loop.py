@@ -85,7 +85,8 @@ def test_cancel_frees_blocks_and_session_stays_consistent(engine, loop):
     it.close()  # the consumer goes away
     assert _wait_idle(engine) and engine.block_manager.num_free == total
     s = engine.session()
-    h = loop.submit_chat(s, "Tell me a long story.", GenerationConfig(max_new_tokens=200, ignore_eos=True))
+    h = loop.submit_chat(s, "Tell me a long story.", GenerationConfig(max_new_tokens=200, ignore_eos=True),
+                         keep_partial=True)
     it = iter(h)
     first = next(it)
     it.close()

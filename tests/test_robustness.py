@@ -153,7 +153,7 @@ def test_cancel_request_of_another_engine_raises(engine, smollm2_rtn_g64):
 @pytest.mark.slow
 def test_close_while_streaming_raises_and_early_close_keeps_history(engine):
     s = engine.session()
-    it = s.chat("Say hello.", stream=True, max_new_tokens=8, ignore_eos=True)
+    it = s.chat("Say hello.", stream=True, max_new_tokens=8, ignore_eos=True, keep_partial=True)
     first = next(it)
     with pytest.raises(LiteturboError, match="still being generated"):
         s.close()

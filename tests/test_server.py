@@ -306,7 +306,8 @@ def test_sessions_prefill_only_new_tokens(app, client, http):
 
 def test_busy_session_is_409_and_a_dropped_stream_frees_it(app, http):
     sid = http.post("/v1/sessions", json={}).json()["id"]
-    long_turn = {"content": "Tell me a long story.", "stream": True, "max_tokens": 1000, "min_tokens": 1000}
+    long_turn = {"content": "Tell me a long story.", "stream": True, "max_tokens": 1000, "min_tokens": 1000,
+                 "on_disconnect": "keep"}
     with http.stream("POST", f"/v1/sessions/{sid}/chat", json=long_turn) as s:
         lines = s.iter_lines()  # kept: a dropped iterator closes the response
         first = next(line for line in lines if line.startswith("data: "))
@@ -315,7 +316,7 @@ def test_busy_session_is_409_and_a_dropped_stream_frees_it(app, http):
                            contains="still being generated")
         assert err["type"] == "conflict_error"
         assert_error(http.delete(f"/v1/sessions/{sid}"), 409)
-    # the client closed the stream early: the turn is cancelled, its partial reply kept, the session usable again
+    # the client closed the stream early: the turn is cancelled, its partial reply kept ("keep"), the session usable
     assert wait_until(lambda: not http.get(f"/v1/sessions/{sid}").json()["busy"])
     info = http.get(f"/v1/sessions/{sid}").json()
     assert info["last_usage"]["completion_tokens"] < 1000 and info["messages"][-1]["role"] == "assistant"

@@ -1,11 +1,13 @@
 """Session fault suite (issue 25, the kinds public reports show in other engines), through the HTTP API and the library:
-a lone UTF-16 surrogate in any field (400, nothing stored), a turn longer than the session (both numbers, KV kept),
+a client disconnecting mid-turn (the session as before the turn, KV of the earlier turns kept; ``on_disconnect: keep``
+keeps the partial reply), a lone UTF-16 surrogate in any field (400, nothing stored), a turn longer than the session (both numbers, KV kept),
 two turns at once (409, consistent after), deleting during a turn (409), restoring a missing / damaged / foreign
 session folder (a clear error, nothing else changed), and a restored session reusing its saved KV in every KV dtype."""
 from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -67,6 +69,75 @@ def test_a_turn_longer_than_the_session_is_refused_and_keeps_its_kv(served):
     nxt = http.post(f"/v1/sessions/{sid}/chat", json={"content": "Another one.", "max_tokens": 4}).json()
     # the history's KV was not recomputed: everything up to the new message came from the cache
     assert nxt["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+
+
+def _wait_idle(http, sid: str) -> dict:
+    for _ in range(200):
+        info = http.get(f"/v1/sessions/{sid}").json()
+        if not info["busy"]:
+            return info
+        time.sleep(0.05)
+    raise AssertionError("the session stayed busy")
+
+
+@pytest.mark.parametrize("route", ["session", "chat"])
+def test_a_client_disconnecting_mid_turn_leaves_the_session_as_before(served, route):
+    http, engine = served
+    greedy = {"max_tokens": 8, "temperature": 0}
+    sid, twin = (http.post("/v1/sessions", json={}).json()["id"] for _ in range(2))
+    for s in (sid, twin):
+        http.post(f"/v1/sessions/{s}/chat", json={"content": "Name a fruit.", **greedy}).raise_for_status()
+    before = http.get(f"/v1/sessions/{sid}").json()
+    path, body = (f"/v1/sessions/{sid}/chat", {"content": "Tell me a long story."}) if route == "session" else \
+        ("/v1/chat/completions", {"session_id": sid, "messages": [{"role": "user", "content": "Tell me a long story."}]})
+    with http.stream("POST", path, json=dict(body, stream=True, max_tokens=200, min_tokens=200)) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # the reply has started: then the client goes
+    after = _wait_idle(http, sid)
+    assert after["messages"] == before["messages"] and after["tokens"] == before["tokens"]
+    # the earlier turns' KV stayed, but for a last partial block the cancelled turn filled (then shared in the prefix
+    # cache, so it is not written into again)
+    kept = before["kv_resident_tokens"] // 16 * 16
+    assert after["kv_resident_tokens"] >= kept
+    nxt = http.post(f"/v1/sessions/{sid}/chat", json={"content": "And a vegetable?", **greedy}).json()
+    ref = http.post(f"/v1/sessions/{twin}/chat", json={"content": "And a vegetable?", **greedy}).json()
+    assert nxt["content"] == ref["content"] and nxt["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    assert nxt["usage"]["prompt_tokens_details"]["cached_tokens"] >= kept
+
+
+def test_on_disconnect_keep_keeps_the_partial_reply_and_bad_values_are_400(served):
+    http, engine = served
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    turn = {"content": "Tell me a long story.", "stream": True, "max_tokens": 200, "min_tokens": 200,
+            "on_disconnect": "keep"}
+    with http.stream("POST", f"/v1/sessions/{sid}/chat", json=turn) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: {"))[6:])["delta"]
+    info = _wait_idle(http, sid)
+    assert [m["role"] for m in info["messages"]] == ["user", "assistant"]
+    assert info["messages"][-1]["content"].startswith(first)
+    bad = http.post(f"/v1/sessions/{sid}/chat", json={"content": "x", "on_disconnect": "save"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "on_disconnect"
+    stateless = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                         "on_disconnect": "keep"})
+    assert stateless.status_code == 400 and "session turns only" in stateless.json()["error"]["message"]
+    blank = http.post(f"/v1/sessions/{sid}/chat", json={"content": " \n "})
+    assert blank.status_code == 400 and "only whitespace" in blank.json()["error"]["message"]
+
+
+def test_a_stream_closed_early_rolls_the_library_session_back(smollm2_path):
+    engine = Engine(smollm2_path, EngineConfig(dtype="float32", max_kv_tokens=1024, block_size=16))
+    s, twin = engine.session(system="Be brief."), engine.session(system="Be brief.")
+    g = GenerationConfig(max_new_tokens=6, temperature=0)
+    for x in (s, twin):
+        x.chat("Name a color.", gen=g)
+    messages, ids, n = list(s.messages), list(s.seq.token_ids), s.seq.num_computed
+    it = s.chat("Tell me a long story.", stream=True, max_new_tokens=100, min_new_tokens=100)
+    next(it)
+    it.close()
+    assert s.last.finish_reason == "cancelled" and not s.busy
+    assert s.messages == messages and s.seq.token_ids == ids and s.seq.num_computed >= n - 16  # a shared block may go
+    assert s.chat("And another.", gen=g) == twin.chat("And another.", gen=g)
+    assert s.last.cached_tokens >= n - 16
 
 
 def test_two_turns_at_once_get_409_and_delete_during_a_turn_gets_409(served):

@@ -113,9 +113,10 @@ class RequestHandle:
             pass
         return self.output
 
-    def cancel(self) -> None:
-        """Stop the request (idempotent); its blocks are freed at the loop's next turn."""
-        self.loop._call(lambda: self.loop._cancel(self))
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop the request (idempotent); its blocks are freed at the loop's next turn. ``reason``: its finish reason,
+        see :meth:`~turbo.core.engine.EngineCore.cancel`."""
+        self.loop._call(lambda: self.loop._cancel(self, reason))
 
 
 class EngineLoop:
@@ -195,16 +196,17 @@ class EngineLoop:
 
     def submit_chat(self, session: Session, message: str, gen: GenerationConfig | None = None,
                     priority: int = 0, on_end=None, sink=None, tools: list[dict] | None = None,
-                    tool_call_id: str | None = None) -> RequestHandle:
+                    tool_call_id: str | None = None, keep_partial: bool = False) -> RequestHandle:
         """Queue the next turn of ``session``; its history is updated when the turn ends (also when cancelled or
         failed, as :meth:`Session.end_turn` does), then ``on_end()`` runs on the loop thread (e.g. saving the
         session). Raises ``Conflict`` while the session generates. ``sink``: as for :meth:`submit`. ``tools``,
-        ``tool_call_id``: see :meth:`Session.chat`."""
+        ``tool_call_id``, ``keep_partial``: see :meth:`Session.chat`."""
         if not isinstance(message, str) or not message.strip():
             raise InvalidRequest("the message must be a non-empty str")
         self._check_capacity()
         with _typed():
-            req, messages = session.begin_turn(message, gen or GenerationConfig(), priority, tools, tool_call_id)
+            req, messages = session.begin_turn(message, gen or GenerationConfig(), priority, tools, tool_call_id,
+                                               keep_partial)
         handle = RequestHandle(self, req, sink=sink)
 
         def end(out):
@@ -238,10 +240,10 @@ class EngineLoop:
     _call = call_soon
 
     # --- the loop thread -------------------------------------------------------------------------------------
-    def _cancel(self, handle: RequestHandle) -> None:
+    def _cancel(self, handle: RequestHandle, reason: str = "cancelled") -> None:
         req = handle.request
         if not req.finished:
-            self.engine.cancel(req)
+            self.engine.cancel(req, reason)
         self._deliver(handle)
 
     def _deliver(self, handle: RequestHandle) -> None:

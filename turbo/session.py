@@ -47,11 +47,16 @@ class Session:
         self.busy = False
         self.last: GenerationOutput | None = None
         self.tools: list[dict] | None = None  # OpenAI's tools list the turns are rendered with (turbo.chat_render)
+        self._keep_partial, self._before = False, []  # the running turn's: keep a partial reply? history before it
         self._turn_tools: list[dict] | None = None  # the running turn's, kept once it is recorded
 
     def chat(self, message: str, stream: bool = False, gen: GenerationConfig | None = None, priority: int = 0,
-             tools: list[dict] | None = None, tool_call_id: str | None = None, **kwargs):
+             tools: list[dict] | None = None, tool_call_id: str | None = None, keep_partial: bool = False, **kwargs):
         """Send a user message. Returns the reply text, or with ``stream=True`` an iterator of text pieces.
+
+        A stream closed before its end (or a turn cancelled) leaves the session as it was before the turn: no new
+        messages, the token history and KV of the earlier turns; ``keep_partial=True`` keeps the partial reply as
+        the assistant's turn instead (a chat UI's Stop button).
 
         ``tools`` (OpenAI's ``tools`` list) are rendered into this and later turns (see :mod:`turbo.chat_render`;
         ``[]`` removes them); the reply is the model's text, tool-call markup included. ``tool_call_id``: the message
@@ -69,7 +74,7 @@ class Session:
         if not message.strip():
             raise LiteturboError("the message is empty: type some text")
         gen = generation_config(gen, kwargs)
-        it = self._turn(message, gen, priority, tools, tool_call_id)
+        it = self._turn(message, gen, priority, tools, tool_call_id, keep_partial)
         if stream:
             return it
         return "".join(it)
@@ -79,9 +84,10 @@ class Session:
             raise Conflict("a reply is still being generated on this session; wait for it to finish, or stop it (close "
                            "the stream / disconnect), or use another session")
 
-    def _turn(self, message: str, gen: GenerationConfig, priority: int, tools, tool_call_id) -> Iterator[str]:
+    def _turn(self, message: str, gen: GenerationConfig, priority: int, tools, tool_call_id,
+              keep_partial: bool) -> Iterator[str]:
         # runs at the first next(): a stream never started holds nothing
-        req, messages = self.begin_turn(message, gen, priority, tools, tool_call_id)
+        req, messages = self.begin_turn(message, gen, priority, tools, tool_call_id, keep_partial)
         pieces: list[str] = []
         out = None
         try:
@@ -95,10 +101,11 @@ class Session:
             self.end_turn(req, messages, out, pieces)
 
     def begin_turn(self, message: str, gen: GenerationConfig, priority: int = 0, tools: list[dict] | None = None,
-                   tool_call_id: str | None = None) -> tuple[Request, list[dict]]:
+                   tool_call_id: str | None = None, keep_partial: bool = False) -> tuple[Request, list[dict]]:
         """Mark the session busy and queue its next turn: the request and the conversation it answers. Whoever drives
         the request (this session's stream, or :class:`turbo.loop.EngineLoop`) must call :meth:`end_turn` after.
-        ``tools`` / ``tool_call_id``: see :meth:`chat` (the tools are kept once the turn is recorded). Raises
+        ``tools`` / ``tool_call_id`` / ``keep_partial``: see :meth:`chat` (the tools are kept once the turn is
+        recorded). Raises
         ``Conflict`` for a busy session, ``InvalidRequest`` for a closed one, bad tools or a bad prompt."""
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidRequest("tools must be a list of OpenAI tool objects ({'type': 'function', 'function': ...})")
@@ -114,6 +121,7 @@ class Session:
                 {"role": "tool", "content": message, "tool_call_id": tool_call_id}
             messages = self.messages + [new]
             self._turn_tools = self.tools if tools is None else (tools or None)
+            self._keep_partial, self._before = bool(keep_partial), list(self.seq.token_ids)
             ids = self._render(messages)
             if len(ids) >= self.engine.session_len and self.engine.config.session_overflow == "drop-oldest":
                 messages, ids = self._drop_oldest(messages, ids)
@@ -144,12 +152,16 @@ class Session:
 
     def end_turn(self, req: Request, messages: list[dict], out: GenerationOutput | None, pieces: list[str]) -> None:
         """Record a finished (or abandoned) turn: ``out`` is the request's output, or ``None`` when the consumer
-        stopped early (the request is cancelled here); ``pieces`` the text streamed so far."""
-        # a consumer that stops early (client gone) still leaves a consistent history: the partial reply is the
-        # assistant's turn, and ``last`` is its output with finish_reason "cancelled"
+        stopped early (the request is cancelled here); ``pieces`` the text streamed so far. A cancelled turn (client
+        gone) is rolled back (see :meth:`chat`) unless it was begun with ``keep_partial``; ``last`` is its output
+        with finish_reason "cancelled" either way."""
         if out is None:
             self.engine.cancel(req)
             out = self.engine.output(req)
+        if out.finish_reason == "cancelled" and not self._keep_partial:
+            self.engine.rewind(self.seq, self._before)
+            self.last, self.busy = out, False
+            return
         reply = out.text if out.token_ids else "".join(pieces)
         # a failed turn is kept only with the text its client already saw; one that failed before any text (e.g. its
         # constraint refused the first token) leaves the conversation as it was

@@ -101,10 +101,7 @@ class EngineCore:
                 seq.after = self._prefilling(ids)
             else:
                 seq.priority = priority
-                common, limit = 0, min(seq.num_computed, len(ids) - 1)
-                while common < limit and seq.token_ids[common] == ids[common]:
-                    common += 1
-                seq.num_computed = self.block_manager.truncate(seq.block_table, common)
+                self._keep_common(seq, ids, min(seq.num_computed, len(ids) - 1))
             seq.token_ids = ids
             rng = None
             if gen.temperature > 0:
@@ -117,6 +114,20 @@ class EngineCore:
             self.requests[seq.seq_id] = req
             self.scheduler.add(seq)
             return req
+
+    def _keep_common(self, seq: Sequence, ids: list[int], limit: int) -> None:
+        """Keep the KV of the first ``limit`` tokens at most that ``seq`` shares with ``ids``; free the blocks past."""
+        common = 0
+        while common < limit and seq.token_ids[common] == ids[common]:
+            common += 1
+        seq.num_computed = self.block_manager.truncate(seq.block_table, common)
+
+    def rewind(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Put an idle session's token history back to ``token_ids`` (its history before a turn that was rolled
+        back), keeping the KV of the tokens both share (but a last partial block now shared in the prefix cache)."""
+        with self.lock:
+            self._keep_common(seq, token_ids, min(seq.num_computed, len(token_ids)))
+            seq.token_ids, seq.num_drafts = list(token_ids), 0
 
     def prepare_constraint(self, gen: GenerationConfig) -> None:
         """Compile ``gen``'s constraint into the cache :meth:`add_request` copies from (see
@@ -137,17 +148,21 @@ class EngineCore:
                 return s
         return None
 
-    def cancel(self, req: Request) -> None:
-        """Stop a request now and free its blocks (a session keeps its computed tokens while memory allows).
-        Cancelling a finished request does nothing; a request of another engine raises ``LiteturboError``."""
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """Stop a request now and free its blocks (a session keeps its computed tokens while memory allows). ``reason``
+        is its finish reason: ``"cancelled"`` (stopped from outside: a session turn is then rolled back), or ``"stop"``
+        (the caller ended a reply it reads, e.g. a repeated tool call). Cancelling a finished request does nothing; a
+        request of another engine raises ``LiteturboError``."""
         if not isinstance(req, Request):
             raise LiteturboError(f"expected a Request from add_request, got {type(req).__name__}")
+        if reason not in ("cancelled", "stop"):
+            raise LiteturboError(f"reason must be 'cancelled' or 'stop', got {reason!r}")
         with self.lock:
             if req.finished:
                 return
             if self.requests.get(req.seq.seq_id) is not req:
                 raise LiteturboError("this request belongs to another Engine; cancel it there")
-            self._finish(req, "cancelled")
+            self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.end(reason)

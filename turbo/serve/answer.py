@@ -30,11 +30,8 @@ async def wait_all(request: Request, handles: list[RequestHandle], job: Job | No
             if reader is not None and not reader.repeated:
                 reader.feed(piece)
                 if reader.repeated:
-                    handle.cancel()
-        out = handle.output
-        if reader is not None and reader.repeated and out.finish_reason == "cancelled":
-            out = dataclasses.replace(out, finish_reason="stop")
-        return out
+                    handle.cancel("stop")
+        return handle.output
 
     task = asyncio.ensure_future(asyncio.gather(*(collect(h) for h in handles)))
     try:

@@ -59,7 +59,7 @@ from ..engine import Engine
 from ..core.inputs import encode
 from ..errors import NotFound
 from ..loop import EngineLoop
-from . import protocol
+from . import protocol, session_requests
 from .engine_client import InprocClient
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import MAX_LOGPROBS, gen_config, is_int, read_json
@@ -260,7 +260,7 @@ async def chat_completions(request: Request):
     gen = s.gen(s.defaults(req.session_id, stored)[0], req.sampling, s.tool_constraint(req.tools, req.sampling),
                 want_lp)
     handle = await on_session(s, c.submit_chat, req.session_id, last["content"], gen, s.persist,
-                              req.tools.openai() if req.tools else None, last.get("tool_call_id"))
+                              req.tools.openai() if req.tools else None, last.get("tool_call_id"), req.keep_partial)
     return await respond(request, job, [handle])
 
 
@@ -277,7 +277,7 @@ async def completions(request: Request):
 @v1.post("/sessions", status_code=201)
 async def create_session(request: Request):
     s = served(request)
-    req = protocol.read_new_session(await read_json(request, s.max_request_bytes, allow_empty=True))
+    req = session_requests.read_new_session(await read_json(request, s.max_request_bytes, allow_empty=True))
     s.gen(req.defaults)  # bad defaults fail now, not at the first turn
     # 400 / 409 for a bad or taken client-chosen id, 503 when full
     sid = await run_in_threadpool(s.client.session_create, req.system, req.session_id, req.defaults)
@@ -294,10 +294,10 @@ async def create_session(request: Request):
 async def session_chat(sid: str, request: Request):
     s = served(request)
     stored = await on_session(s, s.client.check_session, sid)  # 404 before reading the body
-    turn = protocol.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
+    turn = session_requests.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
     gen = s.gen(s.defaults(sid, stored)[0], turn.sampling, s.tool_constraint(turn.tools, turn.sampling))
     handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist,
-                              turn.tools.openai() if turn.tools else None, turn.tool_call_id)
+                              turn.tools.openai() if turn.tools else None, turn.tool_call_id, turn.keep_partial)
     reads = turn.tools if turn.tools is not None and turn.tools.parses else None
     job = Job("session", s.model_id, turn.stream, session_id=sid, tools=reads,
               tool_parser=s.tool_parser if reads else None)

@@ -11,7 +11,7 @@ pickled tuples (a local, trusted pipe between two processes of one server):
 front -> engine
     ``("submit", rid, prompt_ids, gen, priority)``, ``("submit_many", rids, prompt_ids, gens, priority)`` (a
     request's ``n`` choices, queued together), ``("chat", rid, session_id, message, gen, persist, tools, tool_call_id)``,
-    ``("cancel", rid)``, ``("call", cid, method, args)`` (sessions and stats), ``("shutdown",)``.
+    ``("cancel", rid, reason)``, ``("call", cid, method, args)`` (sessions and stats), ``("shutdown",)``.
 engine -> front
     ``("ready", facts)`` or ``("failed", message)`` once at start; ``("ack", rid, stop_ids, error)`` per
     submission; per loop turn ONE ``("out", [(rid, text, new_ids, new_logprobs, end), ...])`` with every request's
@@ -125,12 +125,13 @@ class EngineProcess:
             self.handles[rid] = h
             self.send(("ack", rid, sorted(h.request.stop_ids), None))
 
-    def chat(self, rid: int, sid: str, message: str, gen, persist: bool, tools=None, tool_call_id=None) -> None:
+    def chat(self, rid: int, sid: str, message: str, gen, persist: bool, tools=None, tool_call_id=None,
+             keep_partial=False) -> None:
         def go():
             session = self.sessions.get(sid)
             on_end = (lambda: self.sessions.persist(sid)) if persist else None
             return self.loop.submit_chat(session, message, gen, 0, on_end, sink=self.sink, tools=tools,
-                                         tool_call_id=tool_call_id)
+                                         tool_call_id=tool_call_id, keep_partial=keep_partial)
         self._start(rid, go)
 
     # --- calls (on the loop thread, between steps) -------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ class EngineProcess:
         elif kind == "cancel":
             h = self.handles.get(msg[1])
             if h is not None:
-                h.cancel()
+                h.cancel(*msg[2:])
         elif kind == "call":  # between steps too: a thread waiting for the engine's lock could wait many steps
             self.loop.call_soon(lambda: self.call(*msg[1:]))
         elif kind == "shutdown":

@@ -57,9 +57,9 @@ class RemoteHandle(RequestHandle):
         self.client, self.rid = client, rid
         self.ack: concurrent.futures.Future = concurrent.futures.Future()
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "cancelled") -> None:
         if not self._ended:
-            self.client.send(("cancel", self.rid))
+            self.client.send(("cancel", self.rid, reason))
 
     def feed(self, text: str, ids: list[int], lps: list, end) -> None:
         """Receiver thread: a turn's output of this request."""
@@ -211,10 +211,11 @@ class MPClient:
         return handles
 
     def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False,
-                    tools: list[dict] | None = None, tool_call_id: str | None = None) -> RemoteHandle:
+                    tools: list[dict] | None = None, tool_call_id: str | None = None,
+                    keep_partial: bool = False) -> RemoteHandle:
         """Queue session ``sid``'s next turn (see :meth:`InprocClient.submit_chat`)."""
         rid = next(self._ids)
-        return self._open(("chat", rid, sid, message, gen, persist, tools, tool_call_id), rid)
+        return self._open(("chat", rid, sid, message, gen, persist, tools, tool_call_id, keep_partial), rid)
 
     def session_create(self, system: str | None = None, session_id: str | None = None,
                        defaults: dict | None = None) -> str:

@@ -198,7 +198,7 @@ class _Choice:
             self.called = self.called or any("tool_calls" in d for d in deltas)
             if self.reader.repeated and not self.stopped:
                 self.stopped = True
-                self.handle.cancel()
+                self.handle.cancel("stop")
         if job.kind == "session":  # its chunks carry the text as "delta", and tool calls beside it
             return [dict(base, delta=d.get("content", ""), **({"tool_calls": d["tool_calls"]} if "tool_calls" in d
                                                               else {}), finish_reason=None) for d in deltas]
