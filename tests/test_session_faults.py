@@ -198,3 +198,24 @@ def test_a_restored_session_reuses_its_saved_kv(smollm2_path, tmp_path, kv):
     back = fresh.load_session(tmp_path / "s")
     back.chat("And another.", gen=GenerationConfig(max_new_tokens=3))
     assert n > 0 and back.last.cached_tokens >= n - 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_with_batch_invariant_an_int4_sessions_next_turn_equals_the_stateless_request(tmp_path, dtype):
+    """The next turn of a session (its last reply's K/V written by decode steps) and a stateless request over the same
+    history (those K/V written by one prefill) write the same int4 codes under ``batch_invariant``, so the replies are
+    the same token for token (docs/engine.md, "Same output alone or batched")."""
+    from tiny_models import build_tiny_llama, save_word_tokenizer
+
+    path = build_tiny_llama(tmp_path / "tiny", num_hidden_layers=2)
+    save_word_tokenizer(path, 128, bos=True)
+    engine = Engine(path, EngineConfig(dtype=dtype, max_kv_tokens=1024, block_size=16, kv_cache_dtype="int4",
+                                       batch_invariant=True))
+    g = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    for system in ("the of", "and to", "in a"):
+        s = engine.session(system=system)
+        s.chat("the of and to in a is that " * 3, gen=g)
+        s.chat("for it of the", gen=g)
+        ids = engine.chat_template_ids(s.messages[:-1])
+        assert engine.generate(ids, g).token_ids == s.last.token_ids
+        s.close()

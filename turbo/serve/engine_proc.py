@@ -10,8 +10,8 @@ pickled tuples (a local, trusted pipe between two processes of one server):
 
 front -> engine
     ``("submit", rid, prompt_ids, gen, priority)``, ``("submit_many", rids, prompt_ids, gens, priority)`` (a
-    request's ``n`` choices, queued together), ``("chat", rid, session_id, message, gen, persist, tools, tool_call_id)``,
-    ``("cancel", rid, reason)``, ``("call", cid, method, args)`` (sessions and stats), ``("shutdown",)``.
+    request's ``n`` choices, queued together), ``("chat", rid, session_id, message, gen, persist, tools,
+    tool_call_id, keep_partial)``, ``("cancel", rid, reason)``, ``("call", cid, method, args)`` (sessions and stats), ``("shutdown",)``.
 engine -> front
     ``("ready", facts)`` or ``("failed", message)`` once at start; ``("ack", rid, stop_ids, error)`` per
     submission; per loop turn ONE ``("out", [(rid, text, new_ids, new_logprobs, end), ...])`` with every request's
