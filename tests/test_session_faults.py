@@ -122,6 +122,9 @@ def test_on_disconnect_keep_keeps_the_partial_reply_and_bad_values_are_400(serve
     assert stateless.status_code == 400 and "session turns only" in stateless.json()["error"]["message"]
     blank = http.post(f"/v1/sessions/{sid}/chat", json={"content": " \n "})
     assert blank.status_code == 400 and "only whitespace" in blank.json()["error"]["message"]
+    blank = http.post("/v1/chat/completions", json={"session_id": sid, "messages": [{"role": "user", "content": "  "}]})
+    assert blank.status_code == 400 and blank.json()["error"]["param"] == "messages"
+    assert "only whitespace" in blank.json()["error"]["message"]
 
 
 def test_a_stream_closed_early_rolls_the_library_session_back(smollm2_path):
@@ -138,6 +141,12 @@ def test_a_stream_closed_early_rolls_the_library_session_back(smollm2_path):
     assert s.messages == messages and s.seq.token_ids == ids and s.seq.num_computed >= n - 16  # a shared block may go
     assert s.chat("And another.", gen=g) == twin.chat("And another.", gen=g)
     assert s.last.cached_tokens >= n - 16
+    # keep_partial with nothing produced yet (cancelled while the prompt was computed): also as before the turn
+    messages, ids, n = list(s.messages), list(s.seq.token_ids), s.seq.num_computed
+    req, turn = s.begin_turn("Tell me a long story.", GenerationConfig(max_new_tokens=50), keep_partial=True)
+    engine.cancel(req)
+    s.end_turn(req, turn, None, [])
+    assert s.messages == messages and s.seq.token_ids == ids and s.seq.num_computed >= n - 16 and not s.busy
 
 
 def test_two_turns_at_once_get_409_and_delete_during_a_turn_gets_409(served):

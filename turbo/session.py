@@ -153,13 +153,13 @@ class Session:
     def end_turn(self, req: Request, messages: list[dict], out: GenerationOutput | None, pieces: list[str]) -> None:
         """Record a finished (or abandoned) turn: ``out`` is the request's output, or ``None`` when the consumer
         stopped early (the request is cancelled here); ``pieces`` the text streamed so far. A cancelled turn (client
-        gone) is rolled back (see :meth:`chat`) unless it was begun with ``keep_partial``; ``last`` is its output
-        with finish_reason "cancelled" either way."""
+        gone) is rolled back (see :meth:`chat`) unless it was begun with ``keep_partial`` and produced text; ``last``
+        is its output with finish_reason "cancelled" either way."""
         if out is None:
             self.engine.cancel(req)
             out = self.engine.output(req)
-        if out.finish_reason == "cancelled" and not self._keep_partial:
-            self.engine.rewind(self.seq, self._before)
+        if out.finish_reason == "cancelled" and (not self._keep_partial or not (out.token_ids or pieces)):
+            self.engine.rewind(self.seq, self._before)  # nothing to keep: as before the turn, the earlier KV kept
             self.last, self.busy = out, False
             return
         reply = out.text if out.token_ids else "".join(pieces)

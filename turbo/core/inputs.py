@@ -40,8 +40,10 @@ def check_prompt(ids: list[int], session_len: int, vocab_size: int, session: boo
     if len(ids) >= session_len:
         if session:
             raise InvalidRequest(f"the session would reach {len(ids)} tokens but session_len is {session_len}; "
-                                 f"reset the session, or raise session_len and the KV pool (max_kv_tokens or "
-                                 f"kv_cache_gib; in the CLI --session-len, --kv-cache-gib)")
+                                 f"reset the session, shorten the message (or the system prompt), let the server drop "
+                                 f"the oldest turns (session_overflow='drop-oldest', --session-overflow drop-oldest), "
+                                 f"or raise session_len and the KV pool (max_kv_tokens or kv_cache_gib; in the CLI "
+                                 f"--session-len, --kv-cache-gib)")
         raise InvalidRequest(f"the prompt has {len(ids)} tokens but the context holds {session_len}; shorten the "
                              f"prompt, or raise session_len and the KV pool (max_kv_tokens or kv_cache_gib; in the "
                              f"CLI --session-len, --kv-cache-gib)")

@@ -257,6 +257,9 @@ async def chat_completions(request: Request):
     if last["role"] not in ("user", "tool"):
         raise APIError(400, "with 'session_id' the last message must be the new one, the user's or a tool's result "
                             "(the session keeps the earlier ones)", param="messages")
+    if not isinstance(last["content"], str) or not last["content"].strip():
+        raise APIError(400, "with 'session_id' the last message is the turn's text: it is empty or only whitespace",
+                       param="messages")
     gen = s.gen(s.defaults(req.session_id, stored)[0], req.sampling, s.tool_constraint(req.tools, req.sampling),
                 want_lp)
     handle = await on_session(s, c.submit_chat, req.session_id, last["content"], gen, s.persist,
