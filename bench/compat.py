@@ -31,8 +31,8 @@ from pathlib import Path
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
            "The three primary colors are"]
 N_NEW = 16
-# (row name, lite command-line arguments after the model); every row is g64 and calibrates (if at all) on the bundled
-# C4 sample; act-order rows use 16 calibration samples (what is tested is the packing and g_idx, not the method)
+# (row name, lite command-line arguments after the model); every row is g64 and calibrates (if at all) on the default
+# mixture; calibrated rows use 16 calibration samples (what is tested is the packing and g_idx, not the method)
 VARIANTS = [
     ("awq asym", ["rtn", "--format", "awq", "--w-asym"]),
     ("awq sym", ["rtn", "--format", "awq", "--w-sym"]),
@@ -40,14 +40,16 @@ VARIANTS = [
     ("gptq asym", ["rtn", "--format", "gptq", "--w-asym"]),
     ("compressed-tensors asym", ["rtn", "--format", "compressed-tensors", "--w-asym"]),
     ("compressed-tensors sym", ["rtn", "--format", "compressed-tensors", "--w-sym"]),
-    ("gptq sym act-order", ["gptq", "--act-order", "--calib-samples", "16"]),
-    ("compressed-tensors asym act-order", ["gptq", "--act-order", "--calib-samples", "16", "--format",
-                                           "compressed-tensors", "--w-asym"]),
-    ("gptq sym act-order static", ["gptq", "--act-order", "--static-groups", "--calib-samples", "16"]),
-    ("compressed-tensors asym act-order static", ["gptq", "--act-order", "--static-groups", "--calib-samples", "16",
-                                                  "--format", "compressed-tensors", "--w-asym"]),
-    ("awq asym act-order static", ["auto-awq", "--rounding", "gptq", "--act-order", "--static-groups",
-                                   "--calib-samples", "16"]),
+    ("gptq sym act-order", ["gptq", "--format", "gptq", "--act-order", "--no-static-groups", "--calib-samples", "16"]),
+    ("compressed-tensors asym act-order", ["gptq", "--act-order", "--no-static-groups", "--calib-samples", "16",
+                                           "--format", "compressed-tensors", "--w-asym"]),
+    ("gptq sym act-order static", ["gptq", "--format", "gptq", "--act-order", "--static-groups", "--calib-samples",
+                                   "16"]),
+    # the defaults of the three calibrated commands (gptq: compressed-tensors asym act-order static; auto-awq: awq
+    # asym; auto-awq --rounding gptq: awq asym act-order static)
+    ("lite gptq (default)", ["gptq", "--calib-samples", "16"]),
+    ("lite auto-awq (default)", ["auto-awq", "--calib-samples", "16"]),
+    ("lite auto-awq --rounding gptq (default)", ["auto-awq", "--rounding", "gptq", "--calib-samples", "16"]),
     ("awq asym rotated", ["rtn", "--rotate"]),
 ]
 

@@ -7,7 +7,9 @@ Each quantization runs as its own ``liteturbo lite ...`` process (so its peak me
 memory are read from the ``liteturbo_quantize.json`` the run writes); each checkpoint is then scored with
 ``liteturbo lite eval-ppl --seqlen 2048 --dataset D --max-windows N`` for every evaluation text D (WikiText-2 test
 rows joined with "\\n\\n" is the standard one; the second, ``zh`` by default, is never used for calibration: every
-recipe calibrates on the bundled C4 sample). Prints a markdown table with the exact commands, or JSON rows.
+recipe calibrates on the default mixture, whose Chinese part is the other half of that file). Prints a markdown
+table with the exact commands, or JSON rows; a calibrated row whose perplexity is not below RTN's on a text is marked
+(``worse_than_rtn`` lists those texts).
 """
 from __future__ import annotations
 
@@ -19,29 +21,34 @@ import tempfile
 import time
 from pathlib import Path
 
-# name -> lite arguments after the model (all calibrate on c4, 128 x 512 tokens, seed 42: the defaults)
+# name -> lite arguments after the model (all calibrate on the default mixture c4:3,zh:1, 128 x 512 tokens, seed
+# 42: the defaults; the GPTQ defaults are act-order with static groups, and compressed-tensors for `gptq`)
 RECIPES = {
     "rtn": ["rtn"],
     "rtn-sym": ["rtn", "--w-sym"],
     "awq": ["auto-awq"],
     "awq-tune": ["auto-awq", "--tune-steps", "100"],
     "gptq": ["gptq"],
-    "gptq-asym": ["gptq", "--w-asym", "--format", "compressed-tensors"],
-    "gptq-act-order": ["gptq", "--act-order"],
-    "gptq-act-order-asym": ["gptq", "--act-order", "--w-asym", "--format", "compressed-tensors"],
+    "gptq-v1-sym": ["gptq", "--format", "gptq", "--no-act-order"],
+    "gptq-asym": ["gptq", "--w-asym", "--format", "compressed-tensors", "--no-act-order"],
+    "gptq-act-order": ["gptq", "--format", "gptq", "--act-order", "--no-static-groups"],
+    "gptq-act-order-asym": ["gptq", "--act-order", "--no-static-groups", "--w-asym", "--format", "compressed-tensors"],
     "awq-gptq": ["auto-awq", "--rounding", "gptq"],
-    "awq-gptq-act-order": ["auto-awq", "--rounding", "gptq", "--act-order", "--format", "compressed-tensors"],
-    "awq-gptq-act-order-static": ["auto-awq", "--rounding", "gptq", "--act-order", "--static-groups"],
-    "awq-gptq-act-order-damp10": ["auto-awq", "--rounding", "gptq", "--act-order", "--damp-percent", "0.1", "--format",
-                                  "compressed-tensors"],
-    "awq-gptq-act-order-mse": ["auto-awq", "--rounding", "gptq", "--act-order", "--mse-scales", "--format",
-                               "compressed-tensors"],
-    "awq-gptq-act-order-noclip": ["auto-awq", "--rounding", "gptq", "--act-order", "--no-clip", "--format",
-                                  "compressed-tensors"],
-    "awq-gptq-act-order-mse-tune": ["auto-awq", "--rounding", "gptq", "--act-order", "--mse-scales", "--tune-steps",
-                                    "100", "--format", "compressed-tensors"],
-    "awq-gptq-act-order-static-mse-tune": ["auto-awq", "--rounding", "gptq", "--act-order", "--static-groups",
-                                           "--mse-scales", "--tune-steps", "100"],
+    "awq-gptq-plain": ["auto-awq", "--rounding", "gptq", "--no-act-order"],
+    "awq-gptq-act-order": ["auto-awq", "--rounding", "gptq", "--act-order", "--no-static-groups", "--format",
+                           "compressed-tensors"],
+    "awq-gptq-act-order-damp10": ["auto-awq", "--rounding", "gptq", "--act-order", "--no-static-groups",
+                                  "--damp-percent", "0.1", "--format", "compressed-tensors"],
+    "awq-gptq-act-order-mse": ["auto-awq", "--rounding", "gptq", "--act-order", "--no-static-groups", "--mse-scales",
+                               "--format", "compressed-tensors"],
+    "awq-gptq-act-order-noclip": ["auto-awq", "--rounding", "gptq", "--act-order", "--no-static-groups", "--no-clip",
+                                  "--format", "compressed-tensors"],
+    "awq-gptq-act-order-mse-tune": ["auto-awq", "--rounding", "gptq", "--act-order", "--no-static-groups",
+                                    "--mse-scales", "--tune-steps", "100", "--format", "compressed-tensors"],
+    "awq-gptq-mse-tune": ["auto-awq", "--rounding", "gptq", "--mse-scales", "--tune-steps", "100"],
+    "gptq-mse-tune30-s64": ["gptq", "--mse-scales", "--tune-steps", "30", "--calib-samples", "64"],
+    "awq-gptq-mse-tune30-s64-g10": ["auto-awq", "--rounding", "gptq", "--mse-scales", "--tune-steps", "30",
+                                    "--calib-samples", "64", "--n-grid", "10"],
     "rtn-rotate": ["rtn", "--rotate"],
     "awq-rotate": ["auto-awq", "--rotate"],
 }
@@ -102,6 +109,10 @@ def main() -> None:
         for r in rows:
             if base and rtn and r["method"] not in ("fp16", "rtn"):
                 r[f"gap_{ds}"] = (r[f"ppl_{ds}"] - base) / (rtn - base)
+            if rtn and r["method"] not in ("fp16", "rtn"):
+                r.setdefault("worse_than_rtn", [])
+                if r[f"ppl_{ds}"] >= rtn:  # a calibrated method that loses to round-to-nearest on this text
+                    r["worse_than_rtn"].append(ds)
     if args.json:
         print(json.dumps(rows))
         return
@@ -111,7 +122,8 @@ def main() -> None:
     for r in rows:
         cells = " | ".join(f"{r[f'ppl_{ds}']:.2f} | " + (f"{r[f'gap_{ds}']:.0%}" if f"gap_{ds}" in r else "")
                            for ds in evals)
-        print(f"| {r['method']} | {cells} | {r.get('seconds', '')} | {r.get('peak_gib', '') or ''} | "
+        mark = f" **worse than RTN on {', '.join(r['worse_than_rtn'])}**" if r.get("worse_than_rtn") else ""
+        print(f"| {r['method']}{mark} | {cells} | {r.get('seconds', '')} | {r.get('peak_gib', '') or ''} | "
               f"`{r.get('command', 'liteturbo lite eval-ppl ' + args.model)}` |")
 
 

@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | ``wikitext2`` | WikiText-2 raw (Merity et al. 2016): ``valid`` split for calibration, ``test`` for perplexity | CC BY-SA 3.0 |
 | ``c4`` | first 1,000 documents of ``allenai/c4`` ``en`` train shard 00000 | ODC-BY 1.0 |
-| ``zh`` | 848 Chinese Wikipedia paragraphs from CMRC 2018 dev (Cui et al. 2019) | CC BY-SA 4.0 |
+| ``zh`` | 848 Chinese Wikipedia paragraphs from CMRC 2018 dev (Cui et al. 2019): the first 424 (``eval``) for perplexity, the other 424 (``calib``) for calibration; ``dev`` is all | CC BY-SA 4.0 |
 
 Sources, checksums and attribution: ``calib_data/SOURCES.md``. Nothing is downloaded.
 """
@@ -18,9 +18,14 @@ HERE = Path(__file__).resolve().parent
 DATASETS = {
     "wikitext2": {"test": "wikitext2_test.raw.gz", "valid": "wikitext2_valid.raw.gz"},
     "c4": {"train": "c4_en_first1000.jsonl.gz"},
-    "zh": {"dev": "zh_cmrc2018_contexts.jsonl.gz"},
+    "zh": {"dev": "zh_cmrc2018_contexts.jsonl.gz", "eval": "zh_cmrc2018_contexts.jsonl.gz",
+           "calib": "zh_cmrc2018_contexts.jsonl.gz"},
 }
-DEFAULT_SPLIT = {"wikitext2": "valid", "c4": "train", "zh": "dev"}
+# lite's default calibration mixture (lite.calibration): three parts English web text to one part Chinese
+DEFAULT_MIXTURE = "c4:3,zh:1"
+DEFAULT_SPLIT = {"wikitext2": "valid", "c4": "train", "zh": "calib"}
+# splits that are a slice of their file's rows (the Chinese file has one text for evaluation, one for calibration)
+ROW_SLICES = {("zh", "eval"): slice(0, 424), ("zh", "calib"): slice(424, None)}
 
 
 def available() -> list[str]:
@@ -43,11 +48,12 @@ def load_rows(name: str, split: str | None = None) -> list[str]:
     with gzip.open(HERE / DATASETS[name][split], "rt", encoding="utf-8", newline="") as f:
         if name == "wikitext2":
             return ["" if not line.strip() else line for line in f]
-        return [json.loads(line)["text"] for line in f if line.strip()]
+        rows = [json.loads(line)["text"] for line in f if line.strip()]
+    return rows[ROW_SLICES.get((name, split), slice(None))]
 
 
 # evaluation texts of ``liteturbo lite eval-ppl --dataset``: (dataset, split); rows joined with "\n\n"
-EVAL_SETS = {"wikitext2": ("wikitext2", "test"), "wikitext2-valid": ("wikitext2", "valid"), "zh": ("zh", "dev")}
+EVAL_SETS = {"wikitext2": ("wikitext2", "test"), "wikitext2-valid": ("wikitext2", "valid"), "zh": ("zh", "eval")}
 
 
 def eval_text(name: str) -> str:

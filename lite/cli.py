@@ -12,6 +12,8 @@ from functools import wraps
 
 import click
 
+from calib_data import DEFAULT_MIXTURE as DEFAULT_CALIB_DATASET
+
 from .formats import LiteturboError
 from .formats.registry import WEIGHT_FORMATS
 
@@ -45,8 +47,8 @@ def _weight_options(fn):
                      help="Symmetric (no zero point) or asymmetric. Default: what the --format's readers load "
                           "(gptq: symmetric; awq, compressed-tensors: zero point)."),
         click.option("--format", "out_format", default=None, type=click.Choice(list(WEIGHT_FORMATS)),
-                     help="Output format (default: awq, or gptq for the gptq command). docs/formats.md says who "
-                          "reads each."),
+                     help="Output format (default: awq, or compressed-tensors with zero points for the gptq "
+                          "command). docs/formats.md says who reads each."),
         click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto."),
         click.option("--compute-dtype", default="auto", show_default=True,
                      type=click.Choice(["auto", "bfloat16", "float32"]),
@@ -68,8 +70,9 @@ def _weight_options(fn):
 def _calib_options(fn):
     """Options of the calibrated methods: the weight options plus the calibration data."""
     opts = [
-        click.option("--calib-dataset", default="c4", show_default=True,
-                     help="Bundled name (c4, wikitext2, zh) or a .txt/.jsonl/.parquet file or datasets folder."),
+        click.option("--calib-dataset", default=DEFAULT_CALIB_DATASET, show_default=True,
+                     help="Bundled name (c4, wikitext2, zh), a .txt/.jsonl/.parquet file or datasets folder, or a "
+                          "mixture NAME:WEIGHT,NAME:WEIGHT (windows shared by weight)."),
         click.option("--calib-samples", default=128, show_default=True, help="Calibration windows."),
         click.option("--calib-seqlen", default=512, show_default=True, help="Tokens per calibration window."),
         click.option("--seed", default=42, show_default=True, help="Seed of the calibration sample."),
@@ -85,10 +88,11 @@ def _calib_options(fn):
 def _order_options(fn):
     """GPTQ rounding options (``gptq`` and ``auto-awq --rounding gptq``): column order and dampening."""
     opts = [
-        click.option("--act-order/--no-act-order", default=False, show_default=True,
-                     help="Quantize columns by descending Hessian diagonal (desc_act; writes g_idx)."),
-        click.option("--static-groups", is_flag=True,
-                     help="With --act-order: groups fixed before reordering (no g_idx needed: any --format)."),
+        click.option("--act-order/--no-act-order", default=None,
+                     help="Quantize columns by descending Hessian diagonal (desc_act). Default: on."),
+        click.option("--static-groups/--no-static-groups", default=None,
+                     help="With --act-order: groups fixed before reordering (no g_idx: any --format, and vLLM 0.32 "
+                          "loads it). Default: on with --act-order; --no-static-groups writes a g_idx."),
         click.option("--damp-percent", default=0.01, show_default=True,
                      help="GPTQ dampening added to diag(H), fraction of its mean."),
     ]
@@ -160,7 +164,8 @@ lite.add_command(gptq, "auto-gptq")
 @lite.command("calibrate-kv")
 @click.argument("model", required=False, default=DEFAULT_MODEL)
 @click.option("--calib-dataset", default="c4", show_default=True,
-              help="Bundled name (c4, wikitext2, zh) or a .txt/.jsonl/.parquet file or datasets folder.")
+              help="Bundled name (c4, wikitext2, zh), a .txt/.jsonl/.parquet file or datasets folder, or a mixture "
+                   "NAME:WEIGHT,NAME:WEIGHT.")
 @click.option("--calib-samples", default=128, show_default=True, help="Calibration windows.")
 @click.option("--calib-seqlen", default=512, show_default=True, help="Tokens per calibration window.")
 @click.option("--seed", default=42, show_default=True, help="Seed of the calibration sample.")

@@ -14,6 +14,7 @@ speed on this project's AVX512-BF16 CPU), the solvers in float32.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -169,6 +170,7 @@ class QuantMethod:
         self.notes: list[dict] = []
         self.layer_index = 0
         self.calibrated = type(self).calibrated or cfg.tune_steps > 0
+        self.tune_seconds = 0.0  # wall time spent in block-wise tuning (the provenance file reports it)
 
     def run(self, layer: torch.nn.Module, batch: LayerBatch) -> dict[str, QuantizedWeight]:
         """:meth:`quantize_layer`, then (``tune_steps > 0``) the block-wise tuning of :mod:`lite.tune` against
@@ -186,9 +188,11 @@ class QuantMethod:
         n = len(targets)
         head = LayerBatch(batch.inputs[:n], batch.kwargs[:n], batch.dtype)
         qws = self.quantize_layer(layer, batch)
+        t0 = time.perf_counter()
         qws, before, after = tune_layer(layer, qws, head.inputs, head.kwargs, targets, cfg.tune_steps,
                                         dtype=batch.dtype)
         self.tune_losses = (before, after)
+        self.tune_seconds += time.perf_counter() - t0
         return qws
 
     def quantize_layer(self, layer: torch.nn.Module, batch: LayerBatch) -> dict[str, QuantizedWeight]:

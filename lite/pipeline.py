@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from backends.types import QuantizedWeight
 
-from .calibration import calibration_samples, check_calib_seqlen
+from .calibration import DEFAULT_CALIB_DATASET, calibration_samples, check_calib_dataset, check_calib_seqlen
 from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_dir, check_output_dir,
                       copy_tokenizer_files, load_config, resolve_model, write_json)
 from .formats.registry import WEIGHT_FORMATS, FormatOptions, weight_format
@@ -52,9 +52,11 @@ class PipelineConfig:
 
     method: rtn | awq | gptq (:data:`lite.methods.METHODS`). w_bits/w_group_size/w_sym: the weight format;
     ``w_sym=None`` takes the output format's default (what its readers load: symmetric for GPTQ, a zero point for
-    AWQ and compressed-tensors). out_format: awq | gptq | compressed-tensors (``None`` = awq for rtn/awq, gptq for
-    gptq). calib_*: calibration data (see :mod:`lite.calibration`). act_order/static_groups/damp_percent/
-    block_size/true_sequential: GPTQ (also AWQ's ``gptq`` rounding). n_grid/duo_scaling/clip/max_shrink/
+    AWQ and compressed-tensors). out_format: awq | gptq | compressed-tensors (``None`` = awq for rtn/awq,
+    compressed-tensors with zero points for gptq). calib_*: calibration data (see :mod:`lite.calibration`; default:
+    the English + Chinese mixture). act_order/static_groups/damp_percent/block_size/true_sequential: GPTQ (also AWQ's
+    ``gptq`` rounding; act_order and static_groups ``None`` = on wherever GPTQ rounds). ``choices`` (set here) lists
+    the defaults a run took and why. n_grid/duo_scaling/clip/max_shrink/
     loss_tokens: AWQ; awq_rounding: ``rtn`` (the paper) or ``gptq`` (AWQ's scales and clipping, then GPTQ's
     error-compensating rounding on the scaled inputs). mse_scales: group scales/zero points by the smallest
     rounding error over shrunk ranges (RTN and GPTQ rounding). rotate: fold a random rotation of the residual stream
@@ -69,12 +71,12 @@ class PipelineConfig:
     w_group_size: int = 128
     w_sym: bool | None = None
     out_format: str | None = None
-    calib_dataset: str = "c4"
+    calib_dataset: str = DEFAULT_CALIB_DATASET
     calib_samples: int = 128
     calib_seqlen: int = 512
     seed: int = 42
-    act_order: bool = False
-    static_groups: bool = False
+    act_order: bool | None = None
+    static_groups: bool | None = None
     damp_percent: float = 0.01
     block_size: int = 128
     true_sequential: bool = True
@@ -97,8 +99,12 @@ class PipelineConfig:
             raise LiteturboError(f"--w-bits {self.w_bits} is not supported: the W4A16 formats store 4-bit weights")
         if self.w_group_size != -1 and (self.w_group_size < 8 or self.w_group_size % 8):
             raise LiteturboError(f"--w-group-size must be -1 or a positive multiple of 8, got {self.w_group_size}")
+        self.choices: list[str] = []  # the defaults this run took, and why (printed before the run)
         if self.out_format is None:
-            self.out_format = "gptq" if self.method == "gptq" else "awq"
+            self.out_format = "compressed-tensors" if self.method == "gptq" else "awq"
+            if self.method == "gptq":
+                self.choices.append("compressed-tensors with zero points (vLLM and transformers read it; GPTQ v1 "
+                                    "is symmetric for vLLM, worse on small models: --format gptq --w-sym)")
         fmt = weight_format(self.out_format)
         if self.w_sym is None:
             self.w_sym = fmt.default_sym
@@ -106,8 +112,19 @@ class PipelineConfig:
         if (self.act_order or self.static_groups or self.damp_percent != type(self).damp_percent) and not uses_gptq:
             raise LiteturboError("--act-order, --static-groups and --damp-percent set GPTQ's rounding; use them with "
                                  "`lite gptq` or `lite auto-awq --rounding gptq`")
-        if self.static_groups and not self.act_order:
+        if self.static_groups and self.act_order is False:
             raise LiteturboError("--static-groups only matters with --act-order")
+        if self.act_order is None:
+            self.act_order = uses_gptq
+            if uses_gptq:
+                self.choices.append("act-order (columns by Hessian importance)")
+        if self.static_groups is None:
+            self.static_groups = bool(self.act_order)
+            if self.act_order:
+                self.choices.append("static groups (no g_idx: vLLM 0.32 loads it; --no-static-groups writes one)")
+        if self.method != "rtn" and self.calib_dataset == DEFAULT_CALIB_DATASET:
+            self.choices.append(f"calibration mixture {DEFAULT_CALIB_DATASET} (English and Chinese: English alone "
+                                f"made GPTQ's rounding worse than RTN on Chinese)")
         fmt.check(self.format_options())
         if self.act_order and not self.static_groups:
             warnings.warn("--act-order without --static-groups writes a g_idx (desc_act / actorder=group): turbo, "
@@ -124,6 +141,8 @@ class PipelineConfig:
             raise LiteturboError(f"max_shrink must be in (0, 1), got {self.max_shrink}")
         if self.calib_samples <= 0 or self.calib_seqlen <= 0:
             raise LiteturboError("--calib-samples and --calib-seqlen must be positive")
+        if self.method != "rtn":
+            check_calib_dataset(self.calib_dataset)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise LiteturboError(f"--device must be cpu, cuda or auto, got {self.device!r}")
         if self.compute_dtype not in ("auto", "bfloat16", "float32"):
@@ -236,6 +255,8 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
         raise LiteturboError(f"{src} is already quantized; start from a 16/32-bit checkpoint")
     out = check_output_dir(Path(work_dir), overwrite, source=src)
     device = cfg.torch_device()
+    if getattr(cfg, "choices", None):
+        print(f"[liteturbo] {cfg.method} defaults: " + "; ".join(cfg.choices), file=sys.stderr)
     torch.manual_seed(cfg.seed)
     lazy = LazyCheckpoint(src, device)
     lazy.check_shapes()
@@ -297,7 +318,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
             "source": str(src), "options": asdict(cfg), "calibration_tokens": n_tok, "device": device.type,
             "compute_dtype": str(cdtype).replace("torch.", ""), "wall_seconds": round(wall, 1),
             "peak_memory_gib": round(peak_memory_gib(device), 2), "reused_layers": reused,
-            "torch_threads": torch.get_num_threads(), "notes": notes})
+            "tune_seconds": round(method.tune_seconds, 1), "torch_threads": torch.get_num_threads(), "notes": notes})
     shutil.rmtree(partial, ignore_errors=True)
     print(f"[liteturbo] {cfg.method}: wrote {out} ({cfg.out_format} format, {'symmetric' if cfg.w_sym else 'zero point'}"
           f") in {wall:.1f} s, peak memory {peak_memory_gib(device):.2f} GiB ({device.type})"

@@ -10,7 +10,8 @@ where ``f`` is the whole decoder layer (attention and MLP together, so errors of
 the others), ``X`` the layer's calibration inputs (through the already quantized layers before it), ``Y`` the
 float model's outputs of this layer (float layers all the way from the embeddings, as AutoRound's targets, so the
 layer also makes up for error that earlier layers left) and ``round`` passes its gradient straight through. Optimiser:
-Adam on mini-batches of samples (AutoRound uses signed SGD; Adam converged faster here). The zero points and the
+Adam on mini-batches of samples (AutoRound uses signed SGD; Adam converged faster here), each mini-batch one
+batched forward; short runs take larger steps. The zero points and the
 grouping stay; the result is written in the same format. A tuned layer is kept only if its loss on the tuning
 samples is lower than before.
 """
@@ -25,14 +26,27 @@ def _ste_round(v: torch.Tensor) -> torch.Tensor:
     return v + (torch.round(v) - v).detach()
 
 
+def _same_length(idx: list[int], inputs: list[torch.Tensor]) -> list[list[int]]:
+    """``idx`` grouped by the samples' sequence length (order kept within a group)."""
+    groups: dict[int, list[int]] = {}
+    for i in idx:
+        groups.setdefault(inputs[i].shape[1], []).append(i)
+    return list(groups.values())
+
+
 def tune_layer(layer: torch.nn.Module, qws: dict[str, QuantizedWeight], inputs: list[torch.Tensor],
-               kwargs: list[dict], targets: list[torch.Tensor], steps: int = 100, lr: float = 5e-3,
-               scale_lr: float = 1e-3, batch: int = 4, dtype: torch.dtype = torch.float32
+               kwargs: list[dict], targets: list[torch.Tensor], steps: int = 100, lr: float | None = None,
+               scale_lr: float | None = None, batch: int = 4, dtype: torch.dtype = torch.float32
                ) -> tuple[dict[str, QuantizedWeight], float, float]:
     """Tune ``qws`` (the layer's quantized linears, by module name) so that ``layer`` with them reproduces
     ``targets`` (the float layer's outputs ``[1, L, H]`` for ``inputs``, one per sample, with the layer's ``kwargs``).
     Forwards run under autocast to ``dtype`` when it is not float32. Returns ``(qws, loss before, loss after)``; the
-    original ``qws`` come back when tuning did not lower the loss."""
+    original ``qws`` come back when tuning did not lower the loss. ``lr`` / ``scale_lr`` (Adam's, for the rounding
+    offsets and the log-scales): by default 5e-3 / 1e-3 from 100 steps up, and ``0.5 / steps`` / ``0.1 / steps`` below
+    (as AutoRound's ``1 / iters``: a short run can still move an offset far enough to flip a rounding). Samples of one
+    length run as one batched forward."""
+    lr = max(5e-3, 0.5 / steps) if lr is None else lr
+    scale_lr = max(1e-3, 0.1 / steps) if scale_lr is None else scale_lr
     from torch.func import functional_call
 
     dev = inputs[0].device
@@ -57,13 +71,18 @@ def tune_layer(layer: torch.nn.Module, qws: dict[str, QuantizedWeight], inputs: 
                                                                                                      enabled=False)
 
     def loss_of(idx: list[int]) -> torch.Tensor:
+        # samples of one length run as one batched forward (their rotary tables and causal masks are the same, and
+        # the layer's keyword tensors have a batch dimension of 1 that broadcasts); the loss is the mean of the
+        # per-sample mean squared errors either way
         ws = weights()
         total = 0.0
-        for i in idx:
+        for group in _same_length(idx, inputs):
+            x = inputs[group[0]] if len(group) == 1 else torch.cat([inputs[i] for i in group])
+            y = targets[group[0]] if len(group) == 1 else torch.cat([targets[i] for i in group])
             with ctx():
-                o = functional_call(layer, ws, (inputs[i],), kwargs[i])
+                o = functional_call(layer, ws, (x,), kwargs[group[0]])
             o = o[0] if isinstance(o, tuple) else o
-            total = total + (o.float() - targets[i].float()).pow(2).mean()
+            total = total + (o.float() - y.float()).pow(2).mean() * len(group)
         return total / len(idx)
 
     everything = list(range(len(inputs)))

@@ -437,7 +437,8 @@ def pipeline_outputs(tiny_src, tmp_path_factory):
 
     def get(method: str):
         if method not in cache:
-            cache[method] = quantize_model(str(tiny_src), PipelineConfig(method=method, **PIPE_OPTS),
+            fmt = {"out_format": "gptq"} if method == "gptq" else {}  # GPTQ v1 (the gptq default is tested apart)
+            cache[method] = quantize_model(str(tiny_src), PipelineConfig(method=method, **fmt, **PIPE_OPTS),
                                            str(root / f"full-{method}"))
         return cache[method]
     return get
@@ -464,7 +465,7 @@ def _reference_logits(ckpt, ids):
 EXPECTED_QC = {
     "rtn": {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True},
     "awq": {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True},
-    # GPTQ's default is symmetric: vLLM refuses asymmetric GPTQ v1 (registry default, docs/formats.md)
+    # GPTQ v1 (--format gptq) is symmetric by default: vLLM refuses asymmetric GPTQ v1 (docs/formats.md)
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
              "checkpoint_format": "gptq"},
 }
@@ -513,7 +514,8 @@ def test_pipeline_writes_loadable_checkpoint(method, pipeline_outputs, tiny_src)
 def test_pipeline_gptq_act_order_compressed_tensors(tiny_src, tmp_path):
     from lite.pipeline import PipelineConfig, quantize_model
 
-    cfg = PipelineConfig(method="gptq", act_order=True, out_format="compressed-tensors", **PIPE_OPTS)
+    cfg = PipelineConfig(method="gptq", act_order=True, static_groups=False, out_format="compressed-tensors",
+                         **PIPE_OPTS)
     out = quantize_model(str(tiny_src), cfg, str(tmp_path / "ct"))
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
@@ -533,14 +535,14 @@ def test_pipeline_resume_is_identical_to_uninterrupted(method, pipeline_outputs,
 
     work = tmp_path / f"resumed-{method}"
     partial = tmp_path / f"resumed-{method}.partial"
-    cfg = PipelineConfig(method=method, **PIPE_OPTS)
+    cfg = PipelineConfig(method=method, **({"out_format": "gptq"} if method == "gptq" else {}), **PIPE_OPTS)
     with pytest.raises(KeyboardInterrupt):
         quantize_model(str(tiny_src), cfg, str(work), stop_after_layers=1)
     assert (partial / "layer_0000.safetensors").is_file()
     assert not (partial / "layer_0001.safetensors").exists()
     assert not work.exists()
     if method == "gptq":
-        other = PipelineConfig(method=method, **dict(PIPE_OPTS, damp_percent=0.02))
+        other = PipelineConfig(method=method, out_format="gptq", **dict(PIPE_OPTS, damp_percent=0.02))
         with pytest.raises(LiteturboError, match="different options"):
             quantize_model(str(tiny_src), other, str(work), resume=True)
         assert (partial / "layer_0000.safetensors").is_file()  # refused before touching it

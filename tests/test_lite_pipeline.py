@@ -52,7 +52,16 @@ def test_every_lite_command_takes_the_same_weight_options(cmd):
 
 
 def test_format_defaults_are_what_readers_load():
-    assert PipelineConfig(method="gptq").w_sym is True  # vLLM refuses asymmetric GPTQ v1
+    # GPTQ's default: compressed-tensors with zero points, act-order with static groups (vLLM and transformers read
+    # it; vLLM refuses asymmetric GPTQ v1, and symmetric GPTQ was worse than RTN on SmolLM2), and it says so
+    d = PipelineConfig(method="gptq")
+    assert (d.out_format, d.w_sym, d.act_order, d.static_groups) == ("compressed-tensors", False, True, True)
+    assert any("compressed-tensors with zero points" in c for c in d.choices)
+    assert PipelineConfig(method="gptq", out_format="gptq").w_sym is True  # vLLM refuses asymmetric GPTQ v1
+    a = PipelineConfig(method="awq", awq_rounding="gptq")
+    assert (a.out_format, a.act_order, a.static_groups) == ("awq", True, True)
+    r = PipelineConfig(method="awq")
+    assert (r.act_order, r.static_groups, r.choices[-1].startswith("calibration mixture")) == (False, False, True)
     assert PipelineConfig(method="awq").w_sym is False and PipelineConfig(method="rtn").w_sym is False
     assert PipelineConfig(method="rtn", out_format="gptq").w_sym is True
     assert PipelineConfig(method="gptq", w_sym=False, out_format="compressed-tensors").w_sym is False
@@ -84,11 +93,11 @@ def test_act_order_options_are_checked_against_method_and_format():
     with pytest.raises(LiteturboError, match="use them with `lite gptq` or `lite auto-awq --rounding gptq`"):
         PipelineConfig(method="awq", act_order=True)
     with pytest.raises(LiteturboError, match="g_idx, which the AWQ format cannot store"):
-        PipelineConfig(method="awq", awq_rounding="gptq", act_order=True)
+        PipelineConfig(method="awq", awq_rounding="gptq", act_order=True, static_groups=False)
     # static groups keep the contiguous grouping: AWQ GEMM can store it
     PipelineConfig(method="awq", awq_rounding="gptq", act_order=True, static_groups=True)
     with pytest.raises(LiteturboError, match="only matters with --act-order"):
-        PipelineConfig(method="gptq", static_groups=True)
+        PipelineConfig(method="gptq", act_order=False, static_groups=True)
     # the GPTQ options are the same for `gptq` and `auto-awq --rounding gptq`
     for cmd in (["gptq"], ["auto-awq"]):
         out = CliRunner().invoke(main, ["lite", *cmd, "--help"]).output

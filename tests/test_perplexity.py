@@ -15,7 +15,11 @@ def test_wikitext2_join_matches_hf_protocol():
     # SOURCES.md: the HF rows joined with "\n\n" are 1,294,336 characters
     assert len(text) == 1_294_336
     assert text.startswith("\n\n = Robert Boulter = \n\n\n\n\n Robert Boulter")
-    assert len(calib_data.load_rows("c4")) == 1000 and len(calib_data.load_rows("zh")) == 848
+    assert len(calib_data.load_rows("c4")) == 1000 and len(calib_data.load_rows("zh", "dev")) == 848
+    # the Chinese text: one half evaluates, the other calibrates (the default split), never the same paragraph
+    ev, cal = calib_data.load_rows("zh", "eval"), calib_data.load_rows("zh")
+    assert len(ev) == len(cal) == 424 and not set(ev) & set(cal)
+    assert calib_data.eval_text("zh") == "\n\n".join(ev)
     with pytest.raises(ValueError, match="bundled"):
         calib_data.load_rows("pile")
 
