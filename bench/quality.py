@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--max-windows", type=int, default=40)
-    ap.add_argument("--methods", default="fp16,rtn,awq,gptq,gptq-act-order,awq-gptq-act-order",
+    ap.add_argument("--methods", default="fp16,rtn,awq,gptq,awq-gptq",
                     help=f"comma-separated: fp16, {', '.join(RECIPES)}")
     ap.add_argument("--eval", default="wikitext2,zh", help="evaluation texts (eval-ppl --dataset), first = the gap's")
     ap.add_argument("--work", default=None, help="folder for the checkpoints (default: a temporary one)")

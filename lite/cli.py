@@ -45,7 +45,7 @@ def _weight_options(fn):
                      help="Input channels per group (-1: per channel). SmolLM2-135M needs 64."),
         click.option("--w-sym/--w-asym", default=None,
                      help="Symmetric (no zero point) or asymmetric. Default: what the --format's readers load "
-                          "(gptq: symmetric; awq, compressed-tensors: zero point)."),
+                          "(--format gptq: symmetric; awq, compressed-tensors: zero point)."),
         click.option("--format", "out_format", default=None, type=click.Choice(list(WEIGHT_FORMATS)),
                      help="Output format (default: awq, or compressed-tensors with zero points for the gptq "
                           "command). docs/formats.md says who reads each."),
