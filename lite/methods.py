@@ -224,6 +224,7 @@ class RTN(QuantMethod):
     name, calibrated = "rtn", False
 
     def quantize_layer(self, layer, batch):
+        """See :meth:`QuantMethod.quantize_layer`."""
         from .rtn import quantize_rtn
 
         cfg = self.cfg
@@ -239,6 +240,7 @@ class GPTQ(QuantMethod):
     name = "gptq"
 
     def quantize_layer(self, layer, batch):
+        """See :meth:`QuantMethod.quantize_layer`."""
         order = SEQUENTIAL_ORDER[self.model_type]
         seq = self.cfg.true_sequential
         groups = order if seq else (tuple(n for g in order for n in g),)
@@ -270,6 +272,7 @@ class AWQ(QuantMethod):
         self.fold_dtypes: dict[str, torch.dtype] = {}
 
     def quantize_layer(self, layer, batch):
+        """See :meth:`QuantMethod.quantize_layer`."""
         from .awq import activation_scale_limit, search_scales, weight_scale
 
         cfg = self.cfg

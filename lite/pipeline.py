@@ -255,7 +255,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
         raise LiteturboError(f"{src} is already quantized; start from a 16/32-bit checkpoint")
     out = check_output_dir(Path(work_dir), overwrite, source=src)
     device = cfg.torch_device()
-    if getattr(cfg, "choices", None):
+    if cfg.choices:
         print(f"[liteturbo] {cfg.method} defaults: " + "; ".join(cfg.choices), file=sys.stderr)
     torch.manual_seed(cfg.seed)
     lazy = LazyCheckpoint(src, device)

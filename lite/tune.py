@@ -59,6 +59,8 @@ def tune_layer(layer: torch.nn.Module, qws: dict[str, QuantizedWeight], inputs: 
                      torch.zeros(qw.scales.shape, device=dev, requires_grad=True))
 
     def weights(rounded: bool = True) -> dict[str, torch.Tensor]:
+        """The dequantized float32 weights ``[out, in]`` of every tuned linear, by parameter name, from the current
+        offsets and log-scales (rounded with a straight-through gradient)."""
         out = {}
         for n, (q0, zf, s, gidx, qmax) in fixed.items():
             v, d = params[n]
@@ -67,10 +69,12 @@ def tune_layer(layer: torch.nn.Module, qws: dict[str, QuantizedWeight], inputs: 
         return out
 
     def ctx():
+        """Autocast to ``dtype`` for a forward, or a disabled autocast in float32."""
         return torch.autocast(dev.type, dtype=dtype) if dtype != torch.float32 else torch.autocast(dev.type,
                                                                                                      enabled=False)
 
     def loss_of(idx: list[int]) -> torch.Tensor:
+        """Mean over the samples ``idx`` of each one's mean squared error against its target (a float32 scalar)."""
         # samples of one length run as one batched forward (their rotary tables and causal masks are the same, and
         # the layer's keyword tensors have a batch dimension of 1 that broadcasts); the loss is the mean of the
         # per-sample mean squared errors either way

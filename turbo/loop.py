@@ -210,6 +210,7 @@ class EngineLoop:
         handle = RequestHandle(self, req, sink=sink)
 
         def end(out):
+            """On the loop thread when the turn ends (``out``: its output, or ``None``): record it, then ``on_end``."""
             session.end_turn(req, messages, out, handle.pieces_sent)
             if on_end is not None:
                 on_end()
