@@ -86,8 +86,13 @@ def main() -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--json", action="store_true", help="one JSON list instead of one line per setting")
     args = ap.parse_args()
-    if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
-        sys.exit(f"{args.checkpoint}: no config.json; give a folder that lite wrote")
+    cfg_path = os.path.join(args.checkpoint, "config.json")
+    if not os.path.isfile(cfg_path):
+        sys.exit(f"{args.checkpoint}: no config.json; give a checkpoint folder that `liteturbo lite` wrote")
+    with open(cfg_path) as f:
+        if not json.load(f).get("quantization_config"):
+            sys.exit(f"{args.checkpoint} is not quantized (no quantization_config in config.json); give a folder "
+                     "that `liteturbo lite rtn|auto-awq|gptq` wrote")
     rows = [probe(args.checkpoint, w4a8) for w4a8 in (False, True)]
     print(json.dumps(rows) if args.json else "\n".join(json.dumps(r) for r in rows))
 
