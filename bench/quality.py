@@ -7,7 +7,8 @@ Each quantization runs as its own ``liteturbo lite ...`` process (so its peak me
 memory are read from the ``liteturbo_quantize.json`` the run writes); each checkpoint is then scored with
 ``liteturbo lite eval-ppl --seqlen 2048 --dataset D --max-windows N`` for every evaluation text D (WikiText-2 test
 rows joined with "\\n\\n" is the standard one; the second, ``zh`` by default, is never used for calibration: every
-recipe calibrates on the default mixture, whose Chinese part is the other half of that file). Prints a markdown
+recipe calibrates on the default mixture, whose Chinese part is the other half of that file, except the ``-c4``
+recipes, which calibrate on English alone to show what a text never seen in calibration gets). Prints a markdown
 table with the exact commands, or JSON rows; a calibrated row whose perplexity is not below RTN's on a text is marked
 (``worse_than_rtn`` lists those texts).
 """
@@ -21,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# name -> lite arguments after the model (all calibrate on the default mixture c4:3,zh:1, 128 x 512 tokens, seed
+# name -> lite arguments after the model (all but -c4 calibrate on the default mixture c4:3,zh:1, 128 x 512 tokens, seed
 # 42: the defaults; the GPTQ defaults are act-order with static groups, and compressed-tensors for `gptq`)
 RECIPES = {
     "rtn": ["rtn"],
@@ -29,6 +30,8 @@ RECIPES = {
     "awq": ["auto-awq"],
     "awq-tune": ["auto-awq", "--tune-steps", "100"],
     "gptq": ["gptq"],
+    "gptq-c4": ["gptq", "--calib-dataset", "c4"],
+    "gptq-c4-damp10": ["gptq", "--calib-dataset", "c4", "--damp-percent", "0.1"],
     "gptq-v1-sym": ["gptq", "--format", "gptq", "--no-act-order"],
     "gptq-asym": ["gptq", "--w-asym", "--format", "compressed-tensors", "--no-act-order"],
     "gptq-act-order": ["gptq", "--format", "gptq", "--act-order", "--no-static-groups"],
