@@ -91,6 +91,9 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
             raise LiteturboError(f"--calib-dataset {spec!r} has an empty item; write NAME[:WEIGHT],NAME[:WEIGHT]")
         name, weight = item, 1.0
         head, sep, tail = item.rpartition(":")
+        if sep and not head.strip():
+            raise LiteturboError(f"--calib-dataset {item!r} has no dataset name before ':'; write NAME:WEIGHT, e.g. "
+                                 f"c4:3")
         try:
             w = float(tail) if sep and head else None
         except ValueError:
@@ -98,7 +101,7 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
         if w is not None:
             if not (math.isfinite(w) and w > 0):
                 raise LiteturboError(f"--calib-dataset {item!r}: a weight must be a positive number, got {tail!r}")
-            name, weight = head, w
+            name, weight = head.strip(), w
         if name in (n for n, _ in parts):
             raise LiteturboError(f"--calib-dataset {spec!r} names {name!r} twice; give each dataset once with its "
                                  f"weight")
@@ -106,23 +109,27 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
     return parts
 
 
-def check_calib_dataset(spec: str) -> None:
-    """Refuse (``LiteturboError``) a ``--calib-dataset`` that does not parse or names neither a bundled dataset nor an
-    existing path, before any work."""
-    for name, _ in parse_mixture(spec):
+def check_calib_dataset(spec: str, n_samples: int | None = None) -> None:
+    """Refuse (``LiteturboError``) a ``--calib-dataset`` that does not parse, names neither a bundled dataset nor an
+    existing path, or (given ``n_samples``) has more datasets than windows, before any work."""
+    parts = parse_mixture(spec)
+    for name, _ in parts:
         if name not in calib_data.DATASETS and not Path(name).expanduser().exists():
+            hint = (" (a ':WEIGHT' suffix must be a positive number, e.g. c4:3; names are lower case)"
+                    if ":" in name or name.lower() in calib_data.DATASETS else "")
             raise LiteturboError(f"--calib-dataset {name!r} is neither a bundled dataset "
-                                 f"({', '.join(calib_data.available())}) nor an existing file or folder")
+                                 f"({', '.join(calib_data.available())}) nor an existing file or folder{hint}")
+    if n_samples is not None:
+        mixture_counts([w for _, w in parts], n_samples)
 
 
 def mixture_counts(weights: list[float], n: int) -> list[int]:
-    """``n`` windows shared in proportion to ``weights`` (largest remainder), at least one each; with fewer windows
-    than datasets, one each for the ``n`` heaviest (a warning says which get none)."""
+    """``n`` windows shared in proportion to ``weights`` (largest remainder), at least one each. Raises
+    ``LiteturboError`` when ``n`` is smaller than the number of datasets (one would get no window)."""
     if n < len(weights):
-        top = sorted(range(len(weights)), key=lambda i: -weights[i])[:n]
-        warnings.warn(f"--calib-samples {n} is fewer than the {len(weights)} datasets of the mixture: the lightest "
-                      f"get no window")
-        return [int(i in top) for i in range(len(weights))]
+        raise LiteturboError(f"--calib-samples {n} is fewer than the {len(weights)} datasets of the --calib-dataset "
+                             f"mixture, and each needs at least one window: raise --calib-samples to at least "
+                             f"{len(weights)} or drop datasets")
     total = sum(weights)
     exact = [1 + (n - len(weights)) * w / total for w in weights]
     counts = [math.floor(x) for x in exact]
@@ -166,5 +173,5 @@ def _windows(tokenizer, dataset: str, n_samples: int, seqlen: int, seed: int) ->
         raise LiteturboError(f"--calib-dataset {dataset} produced no tokens")
     if len(stream) < need:
         warnings.warn(f"--calib-dataset {dataset} has only {len(stream)} tokens: {-(-len(stream) // seqlen)} "
-                      f"windows instead of {n_samples} x {seqlen}; all of it is used")
+                      f"window(s) instead of {n_samples} x {seqlen}; all of it is used")
     return [torch.tensor([stream[i:i + seqlen]], dtype=torch.long) for i in range(0, len(stream), seqlen)]

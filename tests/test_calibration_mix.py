@@ -27,6 +27,9 @@ def test_parse_mixture_reads_names_weights_and_paths():
     assert parse_mixture("c4:3, zh:1") == [("c4", 3.0), ("zh", 1.0)]
     assert parse_mixture("c4,/data/my:file.txt:0.5") == [("c4", 1.0), ("/data/my:file.txt", 0.5)]
     assert parse_mixture("notes:v2.txt") == [("notes:v2.txt", 1.0)]  # a suffix that is no number is the name's
+    assert parse_mixture(" c4 : 3 , zh : 1 ") == [("c4", 3.0), ("zh", 1.0)]  # spaces around ':' and ',' are dropped
+    with pytest.raises(LiteturboError, match="no dataset name before ':'"):
+        parse_mixture(":3")
     for bad, says in [("", "empty"), ("c4,,zh", "empty item"), ("c4:0", "positive"), ("c4:-1", "positive"),
                       ("c4:nan", "positive"), ("c4:inf", "positive"), ("c4,c4:2", "twice")]:
         with pytest.raises(LiteturboError, match=says):
@@ -37,8 +40,9 @@ def test_mixture_counts_share_windows_by_weight_and_give_each_one():
     assert mixture_counts([3, 1], 128) == [96, 32]
     assert mixture_counts([1, 1, 1], 10) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
     assert sum(mixture_counts([0.001, 1000], 7)) == 7 and min(mixture_counts([0.001, 1000], 7)) == 1
-    with pytest.warns(UserWarning, match="fewer than the 3 datasets"):
-        assert mixture_counts([1, 3, 2], 2) == [0, 1, 1]
+    assert mixture_counts([1, 3, 2], 3) == [1, 1, 1]
+    with pytest.raises(LiteturboError, match="fewer than the 3 datasets.*at least 3"):
+        mixture_counts([1, 3, 2], 2)
 
 
 def test_the_default_mixture_holds_both_languages_shuffled_and_never_the_eval_half(tok):
@@ -63,7 +67,11 @@ def test_the_default_mixture_holds_both_languages_shuffled_and_never_the_eval_ha
 def test_a_bad_calib_dataset_is_refused_before_any_work(tmp_path):
     from lite.pipeline import PipelineConfig
 
-    for spec, says in [("c4:3,nowhere.txt", "nowhere.txt"), ("c4:x:y,", "empty item"), ("zh:0", "positive")]:
+    for spec, says in [("c4:3,nowhere.txt", "nowhere.txt"), ("c4:x:y,", "empty item"), ("zh:0", "positive"),
+                       ("c4:abc", "suffix must be a positive number"), ("C4", "names are lower case"),
+                       ("c4:", "suffix must be a positive number")]:
         with pytest.raises(LiteturboError, match=says):
             PipelineConfig(method="gptq", calib_dataset=spec)
+    with pytest.raises(LiteturboError, match="--calib-samples 2 is fewer than the 3 datasets"):
+        PipelineConfig(method="awq", calib_dataset="c4,zh,wikitext2", calib_samples=2)
     PipelineConfig(method="rtn", calib_dataset="unused")  # rtn reads no calibration data

@@ -92,6 +92,9 @@ def test_act_order_checkpoints_say_what_vllm_needs():
 def test_act_order_options_are_checked_against_method_and_format():
     with pytest.raises(LiteturboError, match="use them with `lite gptq` or `lite auto-awq --rounding gptq`"):
         PipelineConfig(method="awq", act_order=True)
+    for off in ({"act_order": False}, {"static_groups": False}):  # turning off what AWQ's rounding never does
+        with pytest.raises(LiteturboError, match="use them with `lite gptq`"):
+            PipelineConfig(method="awq", **off)
     with pytest.raises(LiteturboError, match="g_idx, which the AWQ format cannot store"):
         PipelineConfig(method="awq", awq_rounding="gptq", act_order=True, static_groups=False)
     # static groups keep the contiguous grouping: AWQ GEMM can store it
