@@ -106,7 +106,8 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_si
                 break
             damp = damp * 10 if damp > 0 else 1e-6 * max(float(diag_mean), 1.0)
     if attempt > 0 and "fallback" not in info:  # dampening was raised
-        info["damp_percent"] = float(damp / diag_mean) if float(diag_mean) > 0 else float(damp)
+        used = float(damp / diag_mean) if float(diag_mean) > 0 else float(damp)
+        info["damp_percent"] = float(f"{used:.3g}")  # a power of ten of the asked one; drop float32 noise
 
     Q = torch.zeros_like(W)
     scales = torch.zeros(n_groups, out_f)

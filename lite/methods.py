@@ -212,7 +212,8 @@ class QuantMethod:
                            cfg.block_size, cfg.damp_percent, min_zero=self.min_zero, mse=cfg.mse_scales, info=info)
         if "damp_percent" in info:
             self.note(name, f"GPTQ dampening raised from {cfg.damp_percent} to {info['damp_percent']:.3g} of the "
-                            f"mean Hessian diagonal (Cholesky failed)", damp_percent=info["damp_percent"])
+                            f"mean Hessian diagonal (Cholesky failed: often too few calibration tokens for this "
+                            f"layer; more --calib-samples usually avoid it)", damp_percent=info["damp_percent"])
         if info.get("fallback"):
             self.note(name, f"GPTQ fell back to round-to-nearest ({info['fallback']})")
         return qw

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from lite.formats import LiteturboError, resolve_model
@@ -132,3 +133,12 @@ def test_eval_ppl_and_chat_bad_values(tmp_path):
                       (["--max-windows", "-2"], "at least 1")):
         r = CliRunner().invoke(main, ["lite", "eval-ppl", str(tmp_path / "missing"), *args])
         assert r.exit_code == 2 and msg in r.output, r.output
+    # past the context: named as such before the engine sizes (and refuses) a KV pool that large
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 512}')
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(1)}, str(model / "model.safetensors"))
+    for n in ("513", "1000000"):
+        r = CliRunner().invoke(main, ["lite", "eval-ppl", str(model), "--seqlen", n])
+        assert r.exit_code == 2 and "exceeds the model's context of 512 tokens" in r.output, r.output
