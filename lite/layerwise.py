@@ -50,9 +50,16 @@ def open_partial(out: Path, fingerprint: str, state: dict, resume: bool) -> Path
     if partial.exists():
         old = json.loads(state_file.read_text()) if state_file.is_file() else {}
         if resume and old.get("fingerprint") != fingerprint:
-            raise LiteturboError(f"{partial} was made with different options or source weights; rerun without "
+            was, now = old.get("config", {}), state.get("config", {})
+            diff = [f"{k}: {was[k]!r} then, {now[k]!r} now" for k in now if k in was and was[k] != now[k]]
+            why = ("options differ (" + "; ".join(diff) + ")" if diff else
+                   "the source weights or options differ")
+            raise LiteturboError(f"{partial} cannot be resumed: {why}; rerun with the same options, or without "
                                  f"--resume to start over")
         if not resume:
+            done = len(list(partial.glob("layer_*.safetensors")))
+            if done:
+                print(f"[liteturbo] discarding {done} finished layer(s) in {partial} (no --resume)", file=sys.stderr)
             shutil.rmtree(partial)
     elif resume:
         print(f"[liteturbo] nothing to resume in {partial}; starting from layer 0", file=sys.stderr)

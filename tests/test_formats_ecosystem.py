@@ -543,7 +543,7 @@ def test_pipeline_resume_is_identical_to_uninterrupted(method, pipeline_outputs,
     assert not work.exists()
     if method == "gptq":
         other = PipelineConfig(method=method, out_format="gptq", **dict(PIPE_OPTS, damp_percent=0.02))
-        with pytest.raises(LiteturboError, match="different options"):
+        with pytest.raises(LiteturboError, match="options differ .damp_percent: 0.01 then, 0.02 now"):
             quantize_model(str(tiny_src), other, str(work), resume=True)
         assert (partial / "layer_0000.safetensors").is_file()  # refused before touching it
     out = quantize_model(str(tiny_src), cfg, str(work), resume=True)
