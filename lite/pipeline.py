@@ -23,7 +23,9 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -288,6 +290,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
         samples = calibration_samples(tok, cfg.calib_dataset, cfg.calib_samples, cfg.calib_seqlen, cfg.seed)
 
     partial = open_partial(out, cfg.fingerprint(src), {"config": asdict(cfg), "source": str(src)}, resume)
+    old_term = _exit_on_sigterm()
     try:
         n_tok, reused, notes = _quantize_layers(lazy, method, samples, cdtype, partial, dtypes, stop_after_layers,
                                                 rotation)
@@ -295,6 +298,9 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
         if not any(partial.glob("layer_*.safetensors")):  # nothing worth resuming: leave nothing behind
             shutil.rmtree(partial, ignore_errors=True)
         raise
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
 
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         tensors = {}
@@ -392,6 +398,18 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
         if stop_after_layers is not None and i + 1 - reused >= stop_after_layers:
             raise KeyboardInterrupt(f"stopped after {i + 1} layers (test hook)")
     return n_tok, reused, notes
+
+
+def _exit_on_sigterm():
+    """Make SIGTERM (``kill``, ``timeout``) raise ``SystemExit(143)`` so a killed run cleans up as Ctrl-C does;
+    returns the handler to restore, or ``None`` off the main thread (where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_term(signum, frame):
+        """Unwind like an exception, so ``finally`` blocks and the partial-run cleanup run."""
+        raise SystemExit(128 + signum)
+    return signal.signal(signal.SIGTERM, on_term)
 
 
 def _on_cpu(qw: QuantizedWeight) -> QuantizedWeight:

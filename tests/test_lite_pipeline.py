@@ -239,6 +239,23 @@ def test_refused_runs_leave_no_partial_folder(tmp_path, smollm2_path, monkeypatc
         quantize_model(str(src), PipelineConfig(method="awq", **OPTS), str(out))
     assert not Path(f"{out}.partial").exists() and not out.exists()
 
+    # killed (SIGTERM, as `kill` or `timeout` send) before the first layer: cleaned up as Ctrl-C is, and the
+    # previous SIGTERM handler is back afterwards
+    import os
+    import signal
+
+    def killed(self, layer, batch):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not interrupt the run")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(AWQ, "quantize_layer", killed)
+    with pytest.raises(SystemExit) as e:
+        quantize_model(str(src), PipelineConfig(method="awq", **OPTS), str(out))
+    assert e.value.code == 128 + signal.SIGTERM
+    assert not Path(f"{out}.partial").exists() and not out.exists()
+    assert signal.getsignal(signal.SIGTERM) is before
+
 
 def test_raised_gptq_dampening_is_logged_and_in_the_provenance(tmp_path, smollm2_path, monkeypatch):
     src = _save_tiny(tmp_path / "src", smollm2_path)
