@@ -5,7 +5,8 @@ into windows of ``seqlen`` tokens until its windows exist; the last window may b
 dropped). Short documents therefore all count, and a long document spans several windows.
 
 A mixture, ``NAME[:WEIGHT],NAME[:WEIGHT],...`` (weights default to 1), gives each dataset its share of the
-``n_samples`` windows (largest remainder, at least one each) and shuffles the windows together with ``seed``, so
+``n_samples`` windows (largest remainder, at least one each: fewer windows than datasets is refused) and shuffles
+the windows together with ``seed``, so
 the first windows (the loss tokens of AWQ's searches and of tuning) mix the languages too. The default,
 ``c4:3,zh:1``, is three parts English web text to one part Chinese Wikipedia (its calibration half: the other half
 is the ``zh`` evaluation text, see :mod:`calib_data`): calibrating on English alone made GPTQ's rounding worse than
@@ -80,8 +81,9 @@ def check_calib_seqlen(config: dict, seqlen: int) -> None:
 
 def parse_mixture(spec: str) -> list[tuple[str, float]]:
     """``--calib-dataset``'s value as ``[(name or path, weight)]``: comma-separated ``NAME[:WEIGHT]`` items (a
-    ``:suffix`` that is not a number belongs to the name). Raises ``LiteturboError`` for an empty item, a weight that
-    is not a positive finite number, or a dataset named twice."""
+    ``:suffix`` that is not a number belongs to the name; spaces around ``,`` and ``:`` are dropped). Raises
+    ``LiteturboError`` for an empty item, an item with no name before ``:``, a weight that is not a positive finite
+    number, or a dataset named twice."""
     if not isinstance(spec, str) or not spec.strip():
         raise LiteturboError("--calib-dataset is empty: give a bundled name (c4, wikitext2, zh), a file, or a mixture "
                              "such as c4:3,zh:1")
