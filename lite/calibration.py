@@ -6,8 +6,8 @@ dropped). Short documents therefore all count, and a long document spans several
 
 A mixture, ``NAME[:WEIGHT],NAME[:WEIGHT],...`` (weights default to 1), gives each dataset its share of the
 ``n_samples`` windows (largest remainder, at least one each: fewer windows than datasets is refused) and shuffles
-the windows together with ``seed``, so
-the first windows (the loss tokens of AWQ's searches and of tuning) mix the languages too. The default,
+the windows together with ``seed``, so the first windows (the loss tokens of AWQ's searches and of tuning) mix the
+languages too. The default,
 ``c4:3,zh:1``, is three parts English web text to one part Chinese Wikipedia (its calibration half: the other half
 is the ``zh`` evaluation text, see :mod:`calib_data`): calibrating on English alone made GPTQ's rounding worse than
 RTN on Chinese.
