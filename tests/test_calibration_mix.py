@@ -74,4 +74,7 @@ def test_a_bad_calib_dataset_is_refused_before_any_work(tmp_path):
             PipelineConfig(method="gptq", calib_dataset=spec)
     with pytest.raises(LiteturboError, match="--calib-samples 2 is fewer than the 3 datasets"):
         PipelineConfig(method="awq", calib_dataset="c4,zh,wikitext2", calib_samples=2)
+    # the default mixture, which the user did not choose, falls back to its heaviest dataset instead, and says so
+    one = PipelineConfig(method="awq", calib_samples=1)
+    assert one.calib_dataset == "c4" and any("c4 alone" in c for c in one.choices)
     PipelineConfig(method="rtn", calib_dataset="unused")  # rtn reads no calibration data

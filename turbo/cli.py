@@ -69,12 +69,12 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device_opts, k
         raise LiteturboError(f"--max-windows must be at least 1, got {max_windows} (leave it out to score all)")
     from lite.formats import load_config, resolve_model
 
+    ecfg = EngineConfig(dtype=dtype, **device_opts, max_kv_tokens=seqlen, lm_head="16bit",
+                        kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy, kv_calibration=not no_kv_calibration)
     ctx = load_config(resolve_model(model)).get("max_position_embeddings")
     if ctx and seqlen > ctx:  # before the engine sizes a KV pool of --seqlen tokens
         raise LiteturboError(f"--seqlen {seqlen} exceeds the model's context of {ctx} tokens; give at most {ctx}")
-    engine = Engine(model, EngineConfig(dtype=dtype, **device_opts, max_kv_tokens=seqlen, lm_head="16bit",
-                                        kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
-                                        kv_calibration=not no_kv_calibration))
+    engine = Engine(model, ecfg)
     r = perplexity(engine, calib_data.eval_text(dataset), seqlen, max_windows, progress=not as_json)
     st = engine.stats()
     if as_json:
