@@ -138,8 +138,9 @@ class PipelineConfig:
             self.choices.append(f"calibration mixture {DEFAULT_CALIB_DATASET} (English and Chinese: {why})")
         fmt.check(self.format_options())
         if self.act_order and not self.static_groups:
-            warnings.warn("--act-order without --static-groups writes a g_idx (desc_act / actorder=group): turbo, "
-                          "transformers and GPTQModel read it, vLLM 0.32 refuses it; add --static-groups for vLLM")
+            warnings.warn("act-order (on by default) with --no-static-groups writes a g_idx (desc_act / "
+                          "actorder=group): turbo, transformers and GPTQModel read it, vLLM 0.32 refuses it; drop "
+                          "--no-static-groups for vLLM")
         if not 0 < self.damp_percent < 1:
             raise LiteturboError(f"--damp-percent must be in (0, 1), got {self.damp_percent}")
         if self.awq_rounding not in ("rtn", "gptq"):

@@ -98,9 +98,9 @@ class AwqGemmFormat(WeightFormat):
 
     def check(self, opts):
         if opts.act_order and not opts.static_groups:
-            raise LiteturboError("--act-order without --static-groups needs a g_idx, which the AWQ format cannot "
-                                 "store; add --static-groups (groups fixed before reordering) or use --format gptq "
-                                 "or compressed-tensors")
+            raise LiteturboError("act-order (on by default) with --no-static-groups needs a g_idx, which the AWQ "
+                                 "format cannot store; drop --no-static-groups (groups fixed before reordering) or "
+                                 "use --format gptq or compressed-tensors")
 
 
 class GptqFormat(WeightFormat):
