@@ -404,6 +404,13 @@ def test_cli_names_a_bad_kv_dtype_and_reports_the_pool(tmp_path):
                            input="the of and\n")
     assert r.exit_code == 0, r.output
     assert "KV cache int4: 88 bytes/token" in r.output  # 2 (K,V) x 2 layers x 2 heads x (16/2 + 3) bytes
+    r = CliRunner().invoke(main, ["lite", "eval-ppl", str(src), "--seqlen", "64", "--max-windows", "2", "--dataset",
+                                  "zh", "--dtype", "float32", "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.output.strip().splitlines()[-1])
+    assert {k: got[k] for k in ("model", "dataset", "seqlen", "windows", "tokens")} == {
+        "model": str(src), "dataset": "zh", "seqlen": 64, "windows": 2, "tokens": 128}
+    assert math.isfinite(got["ppl"]) and got["ppl"] > 1
 
 
 def test_kv_parameter_entries_that_lie_are_refused(tmp_path):

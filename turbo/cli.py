@@ -50,7 +50,8 @@ main.add_command(lite)
 @click.option("--seqlen", default=2048, show_default=True, help="Tokens per window.")
 @click.option("--max-windows", default=None, type=int, help="Score only the first N windows.")
 @click.option("--dtype", default="auto", show_default=True)
-@click.option("--json", "as_json", is_flag=True, help='Print {"ppl", "tokens", "seconds", "kv_cache_dtype", "kv_calibrated"} as JSON.')
+@click.option("--json", "as_json", is_flag=True, help='Print {"model", "dataset", "seqlen", "ppl", "tokens", "windows", "seconds", "kv_cache_dtype", '
+                   '"kv_calibrated"} as JSON.')
 @_device_options
 @_kv_options
 @friendly_errors
@@ -78,7 +79,8 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device_opts, k
     r = perplexity(engine, calib_data.eval_text(dataset), seqlen, max_windows, progress=not as_json)
     st = engine.stats()
     if as_json:
-        click.echo(json.dumps({"ppl": r["ppl"], "tokens": r["tokens"], "seconds": r["seconds"],
+        click.echo(json.dumps({"model": str(model), "dataset": dataset, "seqlen": seqlen, "ppl": r["ppl"],
+                                "tokens": r["tokens"], "windows": r["windows"], "seconds": r["seconds"],
                                 "kv_cache_dtype": st["kv_cache_dtype"], "kv_calibrated": st["kv_calibrated"]}))
     else:
         cal = ", calibrated keys" if st["kv_calibrated"] else ""
