@@ -24,6 +24,7 @@ def friendly_errors(fn):
     """Print ``LiteturboError`` as one line on stderr and exit 2, without a traceback."""
     @wraps(fn)
     def wrapper(*args, **kwargs):
+        """Run the command; a ``LiteturboError`` becomes ``error: ...`` on stderr and exit code 2."""
         try:
             return fn(*args, **kwargs)
         except LiteturboError as e:

@@ -161,6 +161,7 @@ class LazyCheckpoint:
         store: list = []
 
         def hook(_mod, args, kwargs):
+            """Keep layer 0's hidden states ``[1, T, hidden]`` and keyword arguments, then stop the forward."""
             h = args[0] if args else kwargs.pop("hidden_states")
             kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
             store.append((h.detach(), kw))

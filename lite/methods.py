@@ -135,6 +135,7 @@ def collect_stats(layer: torch.nn.Module, batch: LayerBatch, heads: list[str], h
         stats[n] = InputStats(mod.in_features, dev, hessian, keep, batch.dtype)
 
         def hook(_m, args, n=n):
+            """Add the linear's input rows to its statistics; stop the sample after ``stop_after``."""
             stats[n].add(args[0])
             if n == stop_after:
                 raise _Stop
@@ -319,12 +320,14 @@ class AWQ(QuantMethod):
             loss_in = torch.cat(kept, 0)
 
             def forward(ws):
+                """The inspected module's output with the group's linears set to the candidate weights ``ws``."""
                 with torch.no_grad(), batch.autocast():
                     return torch.nn.functional.linear(loss_in, ws[0])
             return forward, forward(originals)
         is_attn = g.inspect.endswith("attn")
 
         def run_module():
+            """The inspected module's outputs over the kept loss tokens, ``[tokens, hidden]``."""
             outs = []
             with torch.no_grad(), batch.autocast():
                 for i, x in enumerate(kept):
@@ -335,6 +338,7 @@ class AWQ(QuantMethod):
             return torch.cat(outs, 0)
 
         def forward(ws):
+            """The inspected module's output with the group's linears set to the candidate weights ``ws``."""
             for m, w in zip(lins, ws):
                 m.weight.data = w
             return run_module()

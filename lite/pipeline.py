@@ -127,11 +127,12 @@ class PipelineConfig:
             self.static_groups = bool(self.act_order)
             if self.act_order:
                 self.choices.append("static groups (no g_idx: vLLM 0.32 loads it; --no-static-groups writes one)")
-        n_default = len(parse_mixture(DEFAULT_CALIB_DATASET))
-        if self.method != "rtn" and self.calib_dataset == DEFAULT_CALIB_DATASET and 0 < self.calib_samples < n_default:
-            self.calib_dataset = max(parse_mixture(DEFAULT_CALIB_DATASET), key=lambda p: p[1])[0]
+        default_parts = parse_mixture(DEFAULT_CALIB_DATASET)
+        if (self.method != "rtn" and self.calib_dataset == DEFAULT_CALIB_DATASET
+                and 0 < self.calib_samples < len(default_parts)):
+            self.calib_dataset = max(default_parts, key=lambda p: p[1])[0]
             self.choices.append(f"calibration on {self.calib_dataset} alone (--calib-samples {self.calib_samples} "
-                                f"cannot hold the {n_default} datasets of the default mixture)")
+                                f"cannot hold the {len(default_parts)} datasets of the default mixture)")
         if self.method != "rtn" and self.calib_dataset == DEFAULT_CALIB_DATASET:
             why = ("English alone made GPTQ's rounding worse than RTN on Chinese" if uses_gptq else
                    "AWQ calibrated on English alone was further from 16-bit on Chinese")

@@ -364,6 +364,7 @@ def env_report(device: str = "auto") -> dict:
     from backends.platform import _npu_available, cpu_flags, cpu_name, current_platform, triton_interpret
 
     def version(dist: str) -> str:
+        """The installed version of distribution ``dist``, or ``"not installed"``."""
         try:
             return md.version(dist)
         except md.PackageNotFoundError:
@@ -429,6 +430,7 @@ def format_env(r: dict) -> str:
     lines: list[str] = []
 
     def section(title: str, rows: list[tuple[str, str]], indent: str = "  ") -> None:
+        """Append a titled block of ``key  value`` rows, keys padded to one width."""
         lines.append(title)
         width = max(len(k) for k, _ in rows)
         lines.extend(f"{indent}{k:<{width}}  {v}" for k, v in rows)

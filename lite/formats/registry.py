@@ -86,17 +86,21 @@ class AwqGemmFormat(WeightFormat):
     readers = "AutoAWQ, vLLM (awq), transformers (autoawq)"
 
     def pack(self, qw):
+        """The checkpoint tensors of one linear (see :meth:`WeightFormat.pack`)."""
         return pack_awq(qw)
 
     def unpack(self, parts, bits, group_size, sym, bias=None):
+        """One linear's :class:`QuantizedWeight` from its tensors (see :meth:`WeightFormat.unpack`)."""
         if not sym and "qzeros" not in parts:
             raise KeyError("qzeros")
         return unpack_awq(parts["qweight"], parts.get("qzeros"), parts["scales"], bits, group_size, not sym, bias)
 
     def config(self, opts):
+        """``config.json``'s ``quantization_config`` (see :meth:`WeightFormat.config`)."""
         return awq_quantization_config(opts.bits, opts.group_size, not opts.sym)
 
     def check(self, opts):
+        """Refuse options this format cannot store (see :meth:`WeightFormat.check`)."""
         if opts.act_order and not opts.static_groups:
             raise LiteturboError("act-order (on by default) with --no-static-groups needs a g_idx, which the AWQ "
                                  "format cannot store; drop --no-static-groups (groups fixed before reordering) or "
@@ -117,13 +121,16 @@ class GptqFormat(WeightFormat):
         self.name = "gptq" if checkpoint_format == "gptq" else checkpoint_format
 
     def pack(self, qw):
+        """The checkpoint tensors of one linear (see :meth:`WeightFormat.pack`)."""
         return pack_gptq(qw, self.checkpoint_format)
 
     def unpack(self, parts, bits, group_size, sym, bias=None):
+        """One linear's :class:`QuantizedWeight` from its tensors (see :meth:`WeightFormat.unpack`)."""
         return unpack_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"), bits, group_size,
                            sym, self.checkpoint_format, bias)
 
     def config(self, opts):
+        """``config.json``'s ``quantization_config`` (see :meth:`WeightFormat.config`)."""
         # desc_act says the stored g_idx is not the contiguous one; with static groups it is (the act-order only
         # changed the rounding order), and vLLM 0.32 refuses desc_act=True
         desc_act = opts.act_order and not opts.static_groups
@@ -131,9 +138,11 @@ class GptqFormat(WeightFormat):
                                         opts.damp_percent, opts.true_sequential, self.checkpoint_format)
 
     def extra_files(self, qc):
+        """``quantize_config.json`` for AutoGPTQ / GPTQModel readers: the config without ``quant_method``."""
         return {"quantize_config.json": {k: v for k, v in qc.items() if k != "quant_method"}}
 
     def min_zero(self, sym):
+        """Smallest storable zero point: 1 for asymmetric GPTQ v1 (it stores ``zero - 1``), else 0."""
         return 1 if (self.checkpoint_format == "gptq" and not sym) else 0
 
 
@@ -145,12 +154,15 @@ class CompressedTensorsFormat(WeightFormat):
     readers = "llm-compressor, vLLM (compressed-tensors), transformers (compressed-tensors)"
 
     def pack(self, qw):
+        """The checkpoint tensors of one linear (see :meth:`WeightFormat.pack`)."""
         return pack_compressed(qw)
 
     def unpack(self, parts, bits, group_size, sym, bias=None):
+        """One linear's :class:`QuantizedWeight` from its tensors (see :meth:`WeightFormat.unpack`)."""
         return unpack_compressed(parts, bits, group_size, sym, bias)
 
     def config(self, opts):
+        """``config.json``'s ``quantization_config`` (see :meth:`WeightFormat.config`)."""
         actorder = ("static" if opts.static_groups else "group") if opts.act_order else None
         return compressed_quantization_config(opts.bits, opts.group_size, opts.sym, actorder)
 
