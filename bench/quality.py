@@ -37,6 +37,9 @@ RECIPES = {
     "gptq-act-order": ["gptq", "--format", "gptq", "--act-order", "--no-static-groups"],
     "gptq-act-order-asym": ["gptq", "--act-order", "--no-static-groups", "--w-asym", "--format", "compressed-tensors"],
     "awq-gptq": ["auto-awq", "--rounding", "gptq"],
+    "gptq-e2e": ["gptq", "--e2e-steps", "40"],
+    "gptq-e2e20": ["gptq", "--e2e-steps", "20"],
+    "awq-gptq-e2e20": ["auto-awq", "--rounding", "gptq", "--e2e-steps", "20"],
     "awq-gptq-plain": ["auto-awq", "--rounding", "gptq", "--no-act-order"],
     "awq-gptq-act-order": ["auto-awq", "--rounding", "gptq", "--act-order", "--no-static-groups", "--format",
                            "compressed-tensors"],
@@ -72,7 +75,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--max-windows", type=int, default=40)
-    ap.add_argument("--methods", default="fp16,rtn,awq,gptq,awq-gptq",
+    ap.add_argument("--methods", default="fp16,rtn,awq,gptq,awq-gptq,gptq-e2e",
                     help=f"comma-separated: fp16, {', '.join(RECIPES)}")
     ap.add_argument("--eval", default="wikitext2,zh", help="evaluation texts (eval-ppl --dataset), first = the gap's")
     ap.add_argument("--work", default=None, help="folder for the checkpoints (default: a temporary one)")

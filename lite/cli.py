@@ -80,6 +80,10 @@ def _calib_options(fn):
         click.option("--tune-steps", default=0, show_default=True,
                      help="Block-wise tuning of rounding and group scales after the method (AutoRound-style; 0: "
                           "off; slower, better)."),
+        click.option("--e2e-steps", default=0, show_default=True,
+                     help="End-to-end tuning of group scales and norm weights against the float model's logits, "
+                          "one calibration window per step, after every layer is quantized (0: off; ~3 s a step "
+                          "on SmolLM2-135M)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -126,7 +130,8 @@ def rtn(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, w
 @_order_options
 @friendly_errors
 def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-             mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, n_grid, no_clip, rounding, act_order,
+             mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, e2e_steps,
+             n_grid, no_clip, rounding, act_order,
              static_groups, damp_percent) -> None:
     """AWQ W4A16 (Lin et al. 2024): activation-aware scales and clipping, layer by layer."""
     from .pipeline import PipelineConfig, quantize_model
@@ -135,7 +140,8 @@ def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dty
                          calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                          seed=seed, device=device, compute_dtype=compute_dtype, n_grid=n_grid, clip=not no_clip,
                          awq_rounding=rounding, act_order=act_order, static_groups=static_groups,
-                         damp_percent=damp_percent, mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps)
+                         damp_percent=damp_percent, mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps,
+                         e2e_steps=e2e_steps)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 
@@ -146,8 +152,8 @@ def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dty
 @click.option("--true-sequential/--no-true-sequential", default=True, show_default=True)
 @friendly_errors
 def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-         mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, act_order, static_groups, damp_percent,
-         true_sequential) -> None:
+         mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, e2e_steps, act_order,
+         static_groups, damp_percent, true_sequential) -> None:
     """GPTQ W4A16 (Frantar et al. 2023): Hessian-aware rounding, layer by layer."""
     from .pipeline import PipelineConfig, quantize_model
 
@@ -155,7 +161,8 @@ def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, 
                          calib_dataset=calib_dataset, calib_samples=calib_samples, calib_seqlen=calib_seqlen,
                          seed=seed, device=device, compute_dtype=compute_dtype, act_order=act_order,
                          static_groups=static_groups, damp_percent=damp_percent, true_sequential=true_sequential,
-                         mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps)
+                         mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps,
+                         e2e_steps=e2e_steps)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
 
 

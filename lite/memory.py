@@ -10,6 +10,11 @@ bytes: 2 for bfloat16, 4 for float32):
   in the compute dtype.
 * with ``--tune-steps``: four float32 copies of the layer's weights (rounding offsets, their gradients, Adam's two
   moments) and the autograd activations of a 4-sample batch.
+* with ``--e2e-steps`` (:mod:`lite.e2e`, after the layers): the whole float model in the compute dtype (the teacher,
+  while its outputs are taken), then the student: int8 codes (one byte per quantized weight), float32 scales with
+  ``δ``, its gradient and Adam's moments, and the autograd activations of one window (``L x layers x (6H + 2 x heads
+  x head_dim + 4I) x c``), with the output head's logits for 128 tokens at a time (eight float32 ``128 x V``:
+  both models' logits and log-probabilities, the KL terms, the gradient).
 * per layer: the layer's weights, its inputs and, while it runs, its outputs (``2 x N x L x H x c``); then by method:
 
   - ``rtn``: a float32 copy of the largest linear while it is quantized (no calibration data).
@@ -43,11 +48,11 @@ class QuantizeMemory:
 
 def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, calib_seqlen: int = 512,
                   loss_tokens: int = 8192, awq_rounding: str = "rtn", compute_bytes: int = 2,
-                  tune: bool = False) -> QuantizeMemory:
+                  tune: bool = False, e2e: bool = False) -> QuantizeMemory:
     """Estimate the peak memory of ``liteturbo lite <method>`` for a model's ``config`` (its config.json as a dict).
     ``method``: ``rtn``, ``awq`` or ``gptq``; ``compute_bytes``: 2 (bfloat16 forwards, the default where native) or
     4 (float32); ``tune``: with ``--tune-steps`` (rounding offsets, their gradients and Adam's two moments per weight,
-    and the autograd activations of 4 samples); the other arguments as :class:`lite.pipeline.PipelineConfig`. Raises ``ValueError`` for an unknown
+    and the autograd activations of 4 samples); ``e2e``: with ``--e2e-steps``; the other arguments as :class:`lite.pipeline.PipelineConfig`. Raises ``ValueError`` for an unknown
     method or a config without the needed fields."""
     if method not in ("rtn", "awq", "gptq"):
         raise ValueError(f"unknown method {method!r} (rtn, awq, gptq)")
@@ -94,6 +99,14 @@ def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, c
         method_parts["tuning"] = 4 * layer_params * F32 + 4 * calib_seqlen * (12 * h + 6 * inter) * F32
     layer = {"layer weights": weights, "layer inputs": tokens * h * c, **method_parts}
     phases = [("capture", capture), ("layer forward", forward), ("layer search", layer)]
+    if e2e:
+        n_layers = int(config.get("num_hidden_layers") or 1)
+        linear_params = n_layers * sum(o * i for o, i in linears.values())
+        phases.append(("end-to-end tuning", {
+            "float model": (linear_params + vocab * h) * c + vocab * h * F32,  # + the embeddings as read
+            "codes and scales": linear_params + 5 * linear_params // 32 * F32,
+            "activations of one window": calib_seqlen * n_layers * (6 * h + 2 * q + 4 * inter) * c,
+            "head logits": 8 * 128 * vocab * F32}))  # both models' logits, log-probabilities, KL, gradient
     phase, parts = max(phases, key=lambda p: sum(p[1].values()))
     return QuantizeMemory(sum(parts.values()), phase, parts)
 

@@ -170,7 +170,7 @@ class QuantMethod:
         self.cfg, self.model_type, self.min_zero = cfg, model_type, min_zero
         self.notes: list[dict] = []
         self.layer_index = 0
-        self.calibrated = type(self).calibrated or cfg.tune_steps > 0
+        self.calibrated = type(self).calibrated or cfg.tune_steps > 0 or cfg.e2e_steps > 0
         self.tune_seconds = 0.0  # wall time spent in block-wise tuning (the provenance file reports it)
 
     def run(self, layer: torch.nn.Module, batch: LayerBatch) -> dict[str, QuantizedWeight]:

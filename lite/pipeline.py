@@ -9,13 +9,15 @@
    run it to produce the next layer's inputs (so later layers see the quantization error), free it. With
    block-wise tuning the float layer also runs on the float model's own hidden states for the tuning samples
    (the float trajectory), whose outputs are the tuning targets.
-4. When every layer is done, the checkpoint is assembled in a temporary folder and renamed to ``work_dir``.
+4. When every layer is done, the checkpoint is assembled in a temporary folder (with ``e2e_steps``, its group
+   scales and norm weights are first tuned end to end against the float model's logits, :mod:`lite.e2e`; that
+   stage holds the whole model) and renamed to ``work_dir``.
 
 ``resume=True`` reuses the finished layer files of an interrupted run with the same options; the finished
 layers are only re-run forward (from their saved tensors), so the result is identical to an uninterrupted run.
 
-The run kit (the lazy checkpoint, the ``.partial`` folder, the layer runner) is :mod:`lite.layerwise`, shared with
-:mod:`lite.kv_calibration`. :func:`quantize_checkpoint` (with :class:`QuantConfig`) is the RTN shorthand.
+The options are :class:`lite.options.PipelineConfig` (re-exported here). The run kit (the lazy checkpoint, the
+``.partial`` folder, the layer runner) is :mod:`lite.layerwise`, shared with :mod:`lite.kv_calibration`. :func:`quantize_checkpoint` (with :class:`QuantConfig`) is the RTN shorthand.
 """
 from __future__ import annotations
 
@@ -36,143 +38,17 @@ from tqdm import tqdm
 
 from backends.types import QuantizedWeight
 
-from .calibration import (DEFAULT_CALIB_DATASET, calibration_samples, check_calib_dataset, check_calib_seqlen,
-                          parse_mixture)
+from .calibration import calibration_samples, check_calib_seqlen
 from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_dir, check_output_dir,
                       copy_tokenizer_files, load_config, resolve_model, write_json)
-from .formats.registry import WEIGHT_FORMATS, FormatOptions, weight_format
-from .layerwise import LazyCheckpoint, open_partial, peak_memory_gib, resolve_device, run_fingerprint
+from .formats.registry import WEIGHT_FORMATS, weight_format
+from .layerwise import LazyCheckpoint, open_partial, peak_memory_gib
 from .methods import METHODS, LayerBatch, compute_dtype
+from .options import PipelineConfig
 from .rotation import ResidualRotation
 from .rtn import quantize_rtn
 
 FORMATS = tuple(WEIGHT_FORMATS)
-
-
-@dataclass
-class PipelineConfig:
-    """Everything a quantization run depends on (validated on construction; hashed for ``--resume``).
-
-    method: rtn | awq | gptq (:data:`lite.methods.METHODS`). w_bits/w_group_size/w_sym: the weight format;
-    ``w_sym=None`` takes the output format's default (what its readers load: symmetric for GPTQ, a zero point for
-    AWQ and compressed-tensors). out_format: awq | gptq | compressed-tensors (``None`` = awq for rtn/awq,
-    compressed-tensors with zero points for gptq). calib_*: calibration data (see :mod:`lite.calibration`; default:
-    the English + Chinese mixture). act_order/static_groups/damp_percent/block_size/true_sequential: GPTQ (also AWQ's
-    ``gptq`` rounding; act_order and static_groups ``None`` = on wherever GPTQ rounds). ``choices`` (set here) lists
-    the defaults a run took and why. n_grid/duo_scaling/clip/max_shrink/
-    loss_tokens: AWQ; awq_rounding: ``rtn`` (the paper) or ``gptq`` (AWQ's scales and clipping, then GPTQ's
-    error-compensating rounding on the scaled inputs). mse_scales: group scales/zero points by the smallest
-    rounding error over shrunk ranges (RTN and GPTQ rounding). rotate: fold a random rotation of the residual stream
-    into the weights first (:mod:`lite.rotation`; seeded by ``seed``; unties a tied head). tune_steps: steps of
-    block-wise tuning of rounding and scales after the method (:mod:`lite.tune`; 0 = off; each layer is fitted to
-    the float model's outputs on the first ``loss_tokens`` calibration tokens). device: cpu | cuda | auto.
-    compute_dtype: auto | bfloat16 | float32 (the calibration forwards; solvers always run in float32).
-    """
-
-    method: str = "awq"
-    w_bits: int = 4
-    w_group_size: int = 128
-    w_sym: bool | None = None
-    out_format: str | None = None
-    calib_dataset: str = DEFAULT_CALIB_DATASET
-    calib_samples: int = 128
-    calib_seqlen: int = 512
-    seed: int = 42
-    act_order: bool | None = None
-    static_groups: bool | None = None
-    damp_percent: float = 0.01
-    block_size: int = 128
-    true_sequential: bool = True
-    n_grid: int = 20
-    duo_scaling: bool = True
-    awq_rounding: str = "rtn"
-    clip: bool = True
-    max_shrink: float = 0.5
-    loss_tokens: int = 8192
-    mse_scales: bool = False
-    rotate: bool = False
-    tune_steps: int = 0
-    device: str = "auto"
-    compute_dtype: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise LiteturboError(f"unknown method {self.method!r} ({', '.join(METHODS)})")
-        if self.w_bits != 4:
-            raise LiteturboError(f"--w-bits {self.w_bits} is not supported: the W4A16 formats store 4-bit weights")
-        if self.w_group_size != -1 and (self.w_group_size < 8 or self.w_group_size % 8):
-            raise LiteturboError(f"--w-group-size must be -1 or a positive multiple of 8, got {self.w_group_size}")
-        self.choices: list[str] = []  # the defaults this run took, and why (printed before the run)
-        if self.out_format is None:
-            self.out_format = "compressed-tensors" if self.method == "gptq" else "awq"
-            if self.method == "gptq":
-                self.choices.append("compressed-tensors with zero points (vLLM and transformers read it; GPTQ v1 "
-                                    "is symmetric for vLLM, worse on small models: --format gptq --w-sym)")
-        fmt = weight_format(self.out_format)
-        if self.w_sym is None:
-            self.w_sym = fmt.default_sym
-        uses_gptq = self.method == "gptq" or (self.method == "awq" and self.awq_rounding == "gptq")
-        if (self.act_order is not None or self.static_groups is not None
-                or self.damp_percent != type(self).damp_percent) and not uses_gptq:
-            raise LiteturboError("--act-order, --static-groups and --damp-percent set GPTQ's rounding; use them with "
-                                 "`lite gptq` or `lite auto-awq --rounding gptq`")
-        if self.static_groups and self.act_order is False:
-            raise LiteturboError("--static-groups only matters with --act-order: drop --static-groups, or drop "
-                                 "--no-act-order")
-        if self.act_order is None:
-            self.act_order = uses_gptq
-            if uses_gptq:
-                self.choices.append("act-order (columns by Hessian importance)")
-        if self.static_groups is None:
-            self.static_groups = bool(self.act_order)
-            if self.act_order:
-                self.choices.append("static groups (no g_idx: vLLM 0.32 loads it; --no-static-groups writes one)")
-        default_parts = parse_mixture(DEFAULT_CALIB_DATASET)
-        if (self.method != "rtn" and self.calib_dataset == DEFAULT_CALIB_DATASET
-                and 0 < self.calib_samples < len(default_parts)):
-            self.calib_dataset = max(default_parts, key=lambda p: p[1])[0]
-            self.choices.append(f"calibration on {self.calib_dataset} alone (--calib-samples {self.calib_samples} "
-                                f"cannot hold the {len(default_parts)} datasets of the default mixture)")
-        if self.method != "rtn" and self.calib_dataset == DEFAULT_CALIB_DATASET:
-            why = ("English alone made GPTQ's rounding worse than RTN on Chinese" if uses_gptq else
-                   "AWQ calibrated on English alone was further from 16-bit on Chinese")
-            self.choices.append(f"calibration mixture {DEFAULT_CALIB_DATASET} (English and Chinese: {why})")
-        fmt.check(self.format_options())
-        if self.act_order and not self.static_groups:
-            warnings.warn("act-order (on by default) with --no-static-groups writes a g_idx (desc_act / "
-                          "actorder=group): turbo, transformers and GPTQModel read it, vLLM 0.32 refuses it; drop "
-                          "--no-static-groups for vLLM")
-        if not 0 < self.damp_percent < 1:
-            raise LiteturboError(f"--damp-percent must be in (0, 1), got {self.damp_percent}")
-        if self.awq_rounding not in ("rtn", "gptq"):
-            raise LiteturboError(f"awq rounding must be rtn or gptq, got {self.awq_rounding!r}")
-        if self.tune_steps < 0:
-            raise LiteturboError(f"--tune-steps must be >= 0, got {self.tune_steps}")
-        if self.block_size < 1 or self.n_grid < 1 or self.loss_tokens < 1:
-            raise LiteturboError("block_size, n_grid and loss_tokens must be >= 1")
-        if not 0 < self.max_shrink < 1:
-            raise LiteturboError(f"max_shrink must be in (0, 1), got {self.max_shrink}")
-        if self.calib_samples <= 0 or self.calib_seqlen <= 0:
-            raise LiteturboError("--calib-samples and --calib-seqlen must be positive")
-        if self.method != "rtn":
-            check_calib_dataset(self.calib_dataset, self.calib_samples)
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise LiteturboError(f"--device must be cpu, cuda or auto, got {self.device!r}")
-        if self.compute_dtype not in ("auto", "bfloat16", "float32"):
-            raise LiteturboError(f"--compute-dtype must be auto, bfloat16 or float32, got {self.compute_dtype!r}")
-
-    def format_options(self) -> FormatOptions:
-        """What the output format records about this run."""
-        return FormatOptions(self.w_bits, self.w_group_size, bool(self.w_sym), self.act_order, self.static_groups,
-                             self.damp_percent, self.true_sequential)
-
-    def torch_device(self) -> torch.device:
-        """The compute device (``auto`` = cuda when available)."""
-        return resolve_device(self.device)
-
-    def fingerprint(self, source: Path) -> str:
-        """Hash of the options and the source weights' names/sizes/mtimes (what --resume must match)."""
-        return run_fingerprint(asdict(self), source)
 
 
 def check_group_size(state_dict: dict, names: list[str], group_size: int) -> None:
@@ -322,6 +198,12 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
             config = dict(config, tie_word_embeddings=False)
         for i in range(n_layers):
             tensors.update(load_file(str(partial / f"layer_{i:04d}.safetensors")))
+        e2e = None
+        if cfg.e2e_steps:
+            from .e2e import tune_end_to_end
+            lazy = None  # unmaps the source files: this stage holds the whole model
+            tensors, e2e = tune_end_to_end(src, tensors, fmt, cfg.w_bits, cfg.w_group_size, bool(cfg.w_sym), samples,
+                                           cfg.e2e_steps, device, cdtype)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         qc = fmt.config(cfg.format_options())
@@ -335,7 +217,8 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
             "source": str(src), "options": asdict(cfg), "calibration_tokens": n_tok, "device": device.type,
             "compute_dtype": str(cdtype).replace("torch.", ""), "wall_seconds": round(wall, 1),
             "peak_memory_gib": round(peak_memory_gib(device), 2), "reused_layers": reused,
-            "tune_seconds": round(method.tune_seconds, 1), "torch_threads": torch.get_num_threads(), "notes": notes})
+            "tune_seconds": round(method.tune_seconds, 1), "e2e": e2e, "torch_threads": torch.get_num_threads(),
+            "notes": notes})
     shutil.rmtree(partial, ignore_errors=True)
     print(f"[liteturbo] {cfg.method}: wrote {out} ({cfg.out_format} format, {'symmetric' if cfg.w_sym else 'zero point'}"
           f") in {wall:.1f} s, peak memory {peak_memory_gib(device):.2f} GiB ({device.type})"
