@@ -57,6 +57,8 @@ VARIANTS = [
     ("lite gptq (default)", ["gptq", "--calib-samples", "16"]),
     ("lite auto-awq (default)", ["auto-awq", "--calib-samples", "16"]),
     ("lite auto-awq --rounding gptq (default)", ["auto-awq", "--rounding", "gptq", "--calib-samples", "16"]),
+    # the best recipe: the gptq default's codes with end-to-end tuned scales and norms (same format)
+    ("lite gptq --e2e-steps 40", ["gptq", "--calib-samples", "16", "--e2e-steps", "40"]),
     ("awq asym rotated", ["rtn", "--rotate"]),
 ]
 
