@@ -82,8 +82,8 @@ def _calib_options(fn):
                           "off; slower, better)."),
         click.option("--e2e-steps", default=0, show_default=True,
                      help="End-to-end tuning of group scales and norm weights against the float model's logits, "
-                          "one calibration window per step, after every layer is quantized (0: off; ~3 s a step "
-                          "on SmolLM2-135M)."),
+                          "one calibration window per step, after every layer is quantized (0: off; ~2 s a step "
+                          "on SmolLM2-135M; 40 is the best 5-minute recipe with gptq)."),
     ]
     for o in reversed(opts):
         fn = o(fn)

@@ -194,7 +194,9 @@ def tune_end_to_end(src: Path, tensors: dict[str, torch.Tensor], fmt, bits: int,
     ``[1, L]``). ``steps`` Adam steps of one window each, forwards in ``dtype`` (bfloat16 under autocast, or float32)
     on ``device``. Returns ``(tensors, info)``: when the held-out KL fell, ``tensors`` itself with the tuned scales
     and norms written in (in their stored dtypes), else untouched; ``info`` holds ``steps``, ``seconds``,
-    ``held_out_kl_before/after`` and ``kept``. Raises ``LiteturboError`` when ``samples`` is empty, ``steps < 1`` or
+    ``train_windows`` (distinct windows trained on; steps beyond them cycle), ``held_out_windows`` (2, 1 with 2-3
+    windows, 0 with one: the KL is then measured on the training window), ``held_out_kl_before/after`` and ``kept``.
+    Raises ``LiteturboError`` when ``samples`` is empty, ``steps < 1`` or
     the checkpoint has no quantized linear.
     """
     from torch.utils.checkpoint import checkpoint
@@ -287,8 +289,8 @@ def tune_end_to_end(src: Path, tensors: dict[str, torch.Tensor], fmt, bits: int,
     after = held_out_kl()
     finite = all(torch.isfinite(p).all() for p in [*norms.values(), *(m.delta for m in linears.values())])
     kept = finite and after < before
-    info = {"steps": steps, "held_out_kl_before": float(f"{before:.6g}"),
-            "held_out_kl_after": float(f"{after:.6g}"), "kept": kept}
+    info = {"steps": steps, "train_windows": min(steps, len(train)), "held_out_windows": n_val,
+            "held_out_kl_before": float(f"{before:.6g}"), "held_out_kl_after": float(f"{after:.6g}"), "kept": kept}
     if kept:  # the tuned values replace the method's in ``tensors``, one linear at a time
         with torch.no_grad():
             new_scales = {pre: m.tuned_scales().cpu() for pre, m in linears.items()}

@@ -204,6 +204,10 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
             lazy = None  # unmaps the source files: this stage holds the whole model
             tensors, e2e = tune_end_to_end(src, tensors, fmt, cfg.w_bits, cfg.w_group_size, bool(cfg.w_sym), samples,
                                            cfg.e2e_steps, device, cdtype)
+            print(f"[liteturbo] end-to-end tuning: {e2e['steps']} steps over {e2e['train_windows']} windows, held-out "
+                  f"KL {e2e['held_out_kl_before']:.4g} -> {e2e['held_out_kl_after']:.4g} "
+                  f"({'kept' if e2e['kept'] else 'not lower: the method values kept'}), {e2e['seconds']} s",
+                  file=sys.stderr)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         qc = fmt.config(cfg.format_options())

@@ -72,6 +72,7 @@ def test_pipeline_e2e_keeps_codes_and_lowers_the_held_out_kl(tmp_path, smollm2_p
         k for k in a if k.endswith("norm.weight")}
     info = json.loads((tuned / "liteturbo_quantize.json").read_text())["e2e"]
     assert info["steps"] == 8 and info["kept"] is True
+    assert (info["train_windows"], info["held_out_windows"]) == (4, 2)  # 6 windows: 2 held out, 8 steps cycle 4
     assert info["held_out_kl_after"] < info["held_out_kl_before"]
     from turbo import Engine
 
