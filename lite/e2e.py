@@ -61,6 +61,7 @@ class _QuantLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, codes, scales, gidx, bias, dtype):
+        """``x`` ``[..., in]`` (any float dtype) -> ``y`` ``[..., out]`` in ``dtype``."""
         xd = x.to(dtype)
         y = F.linear(xd, _dequantize(codes, scales, gidx, dtype), None if bias is None else bias.to(dtype))
         ctx.save_for_backward(xd, codes, scales)
@@ -69,6 +70,7 @@ class _QuantLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """Gradients of ``x`` (its dtype) and ``scales`` (``[G, out]``, their dtype); none for the rest."""
         xd, codes, scales = ctx.saved_tensors
         grad = grad.to(ctx.dtype)
         grad_x = (grad @ _dequantize(codes, scales, ctx.gidx, ctx.dtype)).to(ctx.x_dtype)
@@ -90,6 +92,7 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
+        """``x`` ``[..., H]``, ``weight`` ``[H]`` float32 -> ``[..., H]`` in ``x``'s dtype."""
         xf = x.float()
         inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, inv)
@@ -97,6 +100,7 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """Gradients of ``x`` (its dtype) and ``weight`` (float32); none for ``eps``."""
         x, weight, inv = ctx.saved_tensors
         xf, g = x.float(), grad.float()
         n = xf * inv
@@ -112,11 +116,13 @@ class _SiluMulFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up):
+        """``gate``, ``up`` ``[..., I]`` (same dtype) -> ``silu(gate) * up``, same shape and dtype."""
         ctx.save_for_backward(gate, up)
         return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad):
+        """Gradients of ``gate`` and ``up`` (computed in float32, returned in their dtypes)."""
         gate, up = ctx.saved_tensors
         g, sig = gate.float(), torch.sigmoid(gate.float())
         grad_up = grad.float() * g * sig
@@ -127,6 +133,7 @@ class _SiluMulFn(torch.autograd.Function):
 def _gated_mlp_forward(mlp: torch.nn.Module):
     """A forward for a Llama-style MLP (``down(silu(gate(x)) ⊙ up(x))``) through :class:`_SiluMulFn`."""
     def forward(x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., H]`` -> ``[..., H]``, as the MLP's own forward."""
         return mlp.down_proj(_SiluMulFn.apply(mlp.gate_proj(x), mlp.up_proj(x)))
     return forward
 
@@ -139,6 +146,7 @@ class _TunedRMSNorm(torch.nn.Module):
         self.weight, self.eps = torch.nn.Parameter(weight), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., H]`` -> normalised ``[..., H]`` in ``x``'s dtype."""
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
@@ -153,9 +161,11 @@ class _QuantLinear(torch.nn.Module):
         self.delta = torch.nn.Parameter(torch.zeros_like(scales))
 
     def tuned_scales(self) -> torch.Tensor:
+        """The current scales ``s · e^δ``, float32 ``[G, out]``."""
         return self.scales * torch.exp(self.delta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` -> ``[..., out]`` in the compute dtype."""
         return _QuantLinearFn.apply(x, self.codes, self.tuned_scales(), self.gidx, self.bias, self.dtype)
 
 
@@ -262,6 +272,7 @@ def tune_end_to_end(src: Path, tensors: dict[str, torch.Tensor], fmt, bits: int,
     head = model.get_output_embeddings()
 
     def slice_kl(hs: torch.Tensor, ht: torch.Tensor) -> torch.Tensor:
+        """Summed KL over one slice of tokens, from student/teacher hidden states ``[T, H]``."""
         with ctx():
             return _kl_sum(head(hs), head(ht))
 
@@ -275,6 +286,7 @@ def tune_end_to_end(src: Path, tensors: dict[str, torch.Tensor], fmt, bits: int,
 
     @torch.no_grad()
     def held_out_kl() -> float:
+        """Mean per-token KL on the held-out windows (a float)."""
         return sum(float(kl(hidden(x), t)) for x, t in zip(val, val_targets)) / len(val)
 
     before = held_out_kl()

@@ -119,6 +119,7 @@ def quantize_fit(config: dict, method: str, calib_samples: int, calib_seqlen: in
     and ``advice`` when it does not fit (the largest ``--calib-samples`` halved from the asked number, at least 8,
     that fits; else quantizing on the CPU). Raises ``ValueError`` as :func:`quantize_peak` does."""
     def peak(n: int) -> QuantizeMemory:
+        """The estimate with ``n`` calibration windows."""
         return quantize_peak(config, method, n, calib_seqlen, compute_bytes=compute_bytes)
 
     q = peak(calib_samples)

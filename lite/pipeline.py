@@ -17,7 +17,8 @@
 layers are only re-run forward (from their saved tensors), so the result is identical to an uninterrupted run.
 
 The options are :class:`lite.options.PipelineConfig` (re-exported here). The run kit (the lazy checkpoint, the
-``.partial`` folder, the layer runner) is :mod:`lite.layerwise`, shared with :mod:`lite.kv_calibration`. :func:`quantize_checkpoint` (with :class:`QuantConfig`) is the RTN shorthand.
+``.partial`` folder, the layer runner) is :mod:`lite.layerwise`, shared with :mod:`lite.kv_calibration`.
+:func:`quantize_checkpoint` (with :class:`QuantConfig`) is the RTN shorthand.
 """
 from __future__ import annotations
 
