@@ -1,13 +1,15 @@
-"""Kernel backends behind one small interface, chosen through an explicit registry.
+"""Kernel backends behind one small interface, chosen through an explicit registry: the package's public names.
 
 ``get_backend("auto" | "torch" | "triton" | "ascend", device)`` returns a :class:`Backend` (:mod:`backends.base`): the
 torch reference (:mod:`backends.torch_backend`, on CPUs with the C++ kernels of :mod:`backends.cpu_ext` where they
 build), the Triton kernels for CUDA/ROCm (:mod:`backends.triton`) or the Ascend one for NPUs (:mod:`backends.ascend`).
 A backend allocates the paged KV cache (:mod:`backends.kv_cache`: 16-bit, int8, int4) and runs the kernels over it;
-what crosses the interface is plain data (:mod:`backends.types`). ``"auto"`` asks the device's
-:class:`~backends.platform.Platform` (Triton on CUDA/ROCm, Ascend on NPUs, torch elsewhere); :mod:`backends.platform`
-also names the cache folder (``liteturbo_home``). ``backends`` imports only torch (and triton inside
-:mod:`backends.triton`, only when that backend is used): it knows nothing of ``lite`` or ``turbo``.
+what crosses the interface is plain data (:mod:`backends.types`). The registry itself (``register_backend``,
+``available_backends``, ``backend_classes``) is :mod:`backends.registry`, re-exported here: modules inside the
+package import it, never this ``__init__``. ``"auto"`` asks the device's :class:`~backends.platform.Platform`
+(Triton on CUDA/ROCm, Ascend on NPUs, torch elsewhere); :mod:`backends.platform` also names the cache folder
+(``liteturbo_home``). ``backends`` imports only torch (and triton inside :mod:`backends.triton`, only when that
+backend is used): it knows nothing of ``lite`` or ``turbo``.
 """
 from __future__ import annotations
 
@@ -17,27 +19,10 @@ from .ascend import AscendBackend
 from .base import Backend
 from .kv_cache import KV_CACHE_DTYPES, KVCacheSpec, KVQuantParams, PagedKVCache
 from .platform import Platform, current_platform
+from .registry import available_backends, backend_class, backend_classes, register_backend
 from .torch_backend import TorchBackend
 from .triton import TritonBackend
 from .types import AttentionMetadata, LinearSpec, QuantizedWeight
-
-_REGISTRY: dict[str, type[Backend]] = {}
-
-
-def register_backend(name: str, cls: type[Backend]) -> None:
-    """Make ``cls(device=..., **kwargs)`` available as ``get_backend(name)``; ``cls.unsupported_reason(platform)``
-    says where it cannot run."""
-    _REGISTRY[name] = cls
-
-
-def available_backends() -> list[str]:
-    """Names accepted by :func:`get_backend` (besides ``"auto"``)."""
-    return sorted(_REGISTRY)
-
-
-def backend_classes() -> dict[str, type[Backend]]:
-    """The registry: name → backend class."""
-    return dict(_REGISTRY)
 
 
 def get_backend(name: str = "auto", device: torch.device | str = "auto", **kwargs) -> Backend:
@@ -53,17 +38,14 @@ def get_backend(name: str = "auto", device: torch.device | str = "auto", **kwarg
     name = name.strip().lower()
     if name == "auto":
         name = plat.default_backend()
-    if name not in _REGISTRY:
+    if name not in available_backends():
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(['auto'] + available_backends())}")
-    why = _REGISTRY[name].unsupported_reason(plat)
+    cls = backend_class(name)
+    why = cls.unsupported_reason(plat)
     if why:
         raise ValueError(f"backend {name!r} cannot run on {plat.kind} ({plat.device}): {why}")
-    return _REGISTRY[name](device=plat.device, **kwargs)
+    return cls(device=plat.device, **kwargs)
 
-
-register_backend("torch", TorchBackend)
-register_backend("triton", TritonBackend)
-register_backend("ascend", AscendBackend)
 
 __all__ = ["Backend", "TorchBackend", "TritonBackend", "AscendBackend", "Platform", "current_platform", "backend_classes", "KV_CACHE_DTYPES", "KVCacheSpec", "KVQuantParams", "PagedKVCache", "AttentionMetadata", "LinearSpec", "QuantizedWeight", "get_backend",
            "register_backend", "available_backends"]

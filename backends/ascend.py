@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .platform import _torch_npu
+from .platform import torch_npu_module
 from .torch_backend import TorchBackend, act_order_permutation
 from .types import LinearSpec, QuantizedWeight
 
@@ -219,7 +219,7 @@ class AscendBackend(TorchBackend):
 def _torch_npu_if_present():
     """The ``torch_npu`` module if importable (a stand-in in ``sys.modules`` counts), else None."""
     try:
-        return _torch_npu()
+        return torch_npu_module()
     except (ImportError, ValueError):  # ValueError: a sys.modules entry without __spec__
         return None
 

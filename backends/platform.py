@@ -5,8 +5,9 @@
 which use the ``cuda`` device type, told apart by ``torch.version.hip``); ``npu`` (Huawei Ascend through the
 ``torch_npu`` plug-in, which registers the ``npu`` device type and ``torch.npu``). ``auto`` picks a GPU, then an
 NPU, then the CPU. Everything device-specific that the engine, the CLI and ``liteturbo env`` ask goes through
-here; backends say whether they run on a platform through ``Backend.unsupported_reason``. :func:`liteturbo_home` is
-the cache folder (converted models, compiled CPU kernels).
+here; backends say whether they run on a platform through ``Backend.unsupported_reason``, and
+:meth:`Platform.usable_backends` asks every class of :mod:`backends.registry`. :func:`liteturbo_home` is the cache
+folder (converted models, compiled CPU kernels); :func:`torch_npu_module` imports Ascend's plug-in where installed.
 """
 from __future__ import annotations
 
@@ -27,18 +28,23 @@ def liteturbo_home() -> Path:
     return Path(os.environ.get("LITETURBO_HOME", Path.home() / ".cache" / "liteturbo"))
 
 
-def _torch_npu():
+def torch_npu_module():
     """The ``torch_npu`` module when it is installed (importing it registers ``torch.npu``), else None."""
     if importlib.util.find_spec("torch_npu") is None:
         return None
     return importlib.import_module("torch_npu")
 
 
-def _npu_available() -> bool:
-    if _torch_npu() is None:
+def npu_available() -> bool:
+    """Whether ``torch_npu`` is installed and sees an NPU."""
+    if torch_npu_module() is None:
         return False
     npu = getattr(torch, "npu", None)
     return bool(npu is not None and npu.is_available())
+
+
+# the names turbo/cli.py imports today (tests/test_structure.py's allow-list); the public ones above are the API
+_torch_npu, _npu_available = torch_npu_module, npu_available
 
 
 def cpu_name() -> str:
@@ -134,7 +140,7 @@ class Platform:
     def usable_backends(self) -> list[str]:
         """Registered backends that can run here, best first (Triton on CUDA/ROCm, Ascend on NPUs, torch last; on a
         CPU torch first: Triton runs there only in its interpreter, for tests)."""
-        from . import backend_classes
+        from .registry import backend_classes
 
         order = {"triton": 0, "ascend": 0, "torch": 0 if self.kind == "cpu" else 9}
         ok = [n for n, cls in backend_classes().items() if cls.unsupported_reason(self) is None]
@@ -169,7 +175,7 @@ def current_platform(device: str | torch.device = "auto") -> Platform:
     if dev == "auto":
         if torch.cuda.is_available():
             dev = "cuda"
-        elif _npu_available():
+        elif npu_available():
             dev = "npu"
         else:
             dev = "cpu"
@@ -191,8 +197,8 @@ def current_platform(device: str | torch.device = "auto") -> Platform:
             raise ValueError(f"device {dev!r}: this machine has {torch.cuda.device_count()} GPU(s)")
         props = torch.cuda.get_device_properties(idx)
         return Platform(_gpu_kind(), torch.device("cuda", idx), props.name, int(props.total_memory))
-    if not _npu_available():
-        why = "torch_npu is not installed" if _torch_npu() is None else "torch_npu sees no NPU"
+    if not npu_available():
+        why = "torch_npu is not installed" if torch_npu_module() is None else "torch_npu sees no NPU"
         raise ValueError(f"device {dev!r} was asked for but {why}; install Ascend's torch_npu matching torch "
                          f"{torch.__version__}, or use device='cpu'")
     d = torch.device(dev)

@@ -54,11 +54,11 @@ def _run(engine, prompts, k: int, max_new: int, repeats: int):
     from turbo import GenerationConfig
     best = None
     for _ in range(repeats):
-        c0 = dict(engine.counters)
+        c0 = engine.counters.as_dict()
         outs = [engine.generate(p, GenerationConfig(max_new_tokens=max_new, speculative=k)) for p in prompts]
         tokens = sum(len(o.token_ids) - 1 for o in outs)
         secs = sum(o.decode_seconds for o in outs)
-        c = {n: engine.counters[n] - c0[n] for n in ("spec_drafted", "spec_accepted", "spec_steps")}
+        c = {n: getattr(engine.counters, n) - c0[n] for n in ("spec_drafted", "spec_accepted", "spec_steps")}
         r = (tokens / secs, [o.token_ids for o in outs], c)
         best = r if best is None or r[0] > best[0] else best
     return best

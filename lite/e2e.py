@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from backends.types import QuantizedWeight
 
 from .formats import LiteturboError
+from .layerwise import release_heap
 
 LR = 1e-3
 HELD_OUT = 2
@@ -169,19 +170,6 @@ class _QuantLinear(torch.nn.Module):
         return _QuantLinearFn.apply(x, self.codes, self.tuned_scales(), self.gidx, self.bias, self.dtype)
 
 
-def _release_heap() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``; elsewhere a no-op), so the
-    layer-wise stage's freed memory does not stay resident under this stage's peak."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _kl_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """Sum over tokens of ``KL(teacher || student)``, from logits ``[T, V]`` (float32 scalar)."""
     s = F.log_softmax(student_logits.float(), -1)
@@ -219,7 +207,7 @@ def tune_end_to_end(src: Path, tensors: dict[str, torch.Tensor], fmt, bits: int,
     if not prefixes:
         raise LiteturboError("end-to-end tuning found no quantized linear in the checkpoint")
     t0 = time.perf_counter()
-    _release_heap()
+    release_heap(collect=True)
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -267,7 +255,7 @@ def tune_end_to_end(src: Path, tensors: dict[str, torch.Tensor], fmt, bits: int,
     for k, p in model.named_parameters():  # anything else the method changed (e.g. biases folded into)
         if k in tensors and k not in norms and not k.endswith(".delta"):
             p.data = tensors[k].to(device, p.dtype)
-    _release_heap()
+    release_heap(collect=True)
     linears = {pre: model.get_submodule(pre) for pre in prefixes}
     head = model.get_output_embeddings()
 

@@ -24,6 +24,21 @@ from .formats.checkpoint import config_mismatch, weight_files
 from .methods import LayerBatch, _Stop
 
 
+def release_heap(collect: bool = False) -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``; elsewhere a no-op), after a garbage collection
+    when ``collect`` (tenths of a second with transformers loaded): glibc keeps freed large blocks in its heap once its
+    mmap threshold has grown, so without this a layer-by-layer run's resident memory climbs with every layer it frees."""
+    import ctypes
+    import gc
+
+    if collect:
+        gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def resolve_device(device: str) -> torch.device:
     """``--device`` of a lite command → torch device (``auto`` = cuda when available). Raises ``LiteturboError``
     when cuda is asked for without a GPU."""
@@ -91,23 +106,30 @@ class LazyCheckpoint:
         except Exception as e:  # transformers raises many types for malformed configs
             raise LiteturboError(f"transformers cannot build the model from {path / 'config.json'}: {e}") from e
         self.model.eval()
-        self.files = {}
+        # where each tensor lies, and its shape and safetensors dtype, read from the headers only: a tensor's bytes
+        # are read when its layer is materialized, through a mapping that is closed right after (mapped pages of
+        # a kept-open file would stay resident, so peak memory would grow with every layer read)
         self.where: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtype_names: dict[str, str] = {}
         for f in weight_files(path):
             try:
-                h = safe_open(str(f), "pt")
+                with safe_open(str(f), "pt") as h:
+                    for k in h.keys():
+                        sl = h.get_slice(k)
+                        self.where[k], self.shapes[k], self.dtype_names[k] = str(f), tuple(sl.get_shape()), sl.get_dtype()
             except Exception as e:  # SafetensorError, OSError
                 raise LiteturboError(f"cannot read {f}: {e}; the file is damaged or not safetensors") from e
-            self.files[str(f)] = h
-            for k in h.keys():
-                self.where[k] = str(f)
         self.layers = self.model.model.layers
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One tensor of the source checkpoint (CPU, stored dtype)."""
+        """One tensor of the source checkpoint (CPU, stored dtype), read through a mapping closed at once."""
+        from safetensors import safe_open
+
         if name not in self.where:
             raise LiteturboError(f"checkpoint {self.path} lacks tensor {name!r}")
-        return self.files[self.where[name]].get_tensor(name)
+        with safe_open(self.where[name], "pt") as h:
+            return h.get_tensor(name)
 
     def check_shapes(self) -> None:
         """Raise ``LiteturboError`` (the message ``turbo`` gives) when the weights do not match config.json: a
@@ -124,7 +146,7 @@ class LazyCheckpoint:
                     continue
                 raise LiteturboError(f"checkpoint {self.path} lacks tensor {name!r} (an incomplete copy or download, "
                                      f"or a config.json that does not belong to these weights)")
-            shape = tuple(self.files[self.where[name]].get_slice(name).get_shape())
+            shape = self.shapes[name]
             if shape != tuple(p.shape):
                 raise config_mismatch(name, shape, tuple(p.shape))
 
@@ -150,8 +172,9 @@ class LazyCheckpoint:
         return qws[prefix].dequantize(torch.float32)
 
     def release(self, module: torch.nn.Module) -> None:
-        """Drop ``module``'s weights (back to meta)."""
+        """Drop ``module``'s weights (back to meta) and hand the freed memory back to the OS (:func:`release_heap`)."""
         module.to("meta")
+        release_heap()
 
     def capture_inputs(self, samples: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[dict]]:
         """Hidden states entering layer 0 and its keyword arguments (rotary, mask), per sample."""

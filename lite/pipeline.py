@@ -42,6 +42,7 @@ from backends.types import QuantizedWeight
 from .calibration import calibration_samples, check_calib_seqlen
 from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_dir, check_output_dir,
                       copy_tokenizer_files, load_config, resolve_model, write_json)
+from .formats.writing import SAFETENSORS_DTYPES, write_safetensors_streamed
 from .formats.registry import WEIGHT_FORMATS, weight_format
 from .layerwise import LazyCheckpoint, open_partial, peak_memory_gib
 from .methods import METHODS, LayerBatch, compute_dtype
@@ -156,11 +157,10 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
         for n in DECODER_LINEARS:
             k = f"model.layers.{i}.{n}.weight"
             if k in lazy.where:
-                shapes[k] = lazy.files[lazy.where[k]].get_slice(k).get_shape()
+                shapes[k] = lazy.shapes[k]
     names = [k[: -len(".weight")] for k in shapes]
     check_group_size({k: _Shape(v) for k, v in shapes.items()}, names, cfg.w_group_size)
-    dtypes = {k: lazy.files[f].get_slice(k).get_dtype() for k, f in lazy.where.items()}
-    dtypes = {k: _dtype(v) for k, v in dtypes.items()}
+    dtypes = {k: _dtype(v) for k, v in lazy.dtype_names.items()}
     fmt = weight_format(cfg.out_format)
     method = METHODS[cfg.method](cfg, config["model_type"], fmt.min_zero(bool(cfg.w_sym)))
     rotation = None
@@ -188,20 +188,21 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
             signal.signal(signal.SIGTERM, old_term)
 
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        tensors = {}
-        for k in lazy.where:
-            if not k.startswith("model.layers."):
-                tensors[k] = lazy.tensor(k)
+        outside = {}  # the tensors outside the decoder layers that the run changed (a rotation folds into them)
         if rotation is not None:
-            embed = tensors["model.embed_tokens.weight"]
-            tensors["model.embed_tokens.weight"], tensors["lm_head.weight"], tensors["model.norm.weight"] = \
-                rotation.fold_outside(embed, tensors.get("lm_head.weight", embed), tensors["model.norm.weight"])
+            embed = lazy.tensor("model.embed_tokens.weight")
+            head = lazy.tensor("lm_head.weight") if "lm_head.weight" in lazy.where else embed
+            outside["model.embed_tokens.weight"], outside["lm_head.weight"], outside["model.norm.weight"] = \
+                rotation.fold_outside(embed, head, lazy.tensor("model.norm.weight"))
             config = dict(config, tie_word_embeddings=False)
-        for i in range(n_layers):
-            tensors.update(load_file(str(partial / f"layer_{i:04d}.safetensors")))
+        layer_files = [partial / f"layer_{i:04d}.safetensors" for i in range(n_layers)]
         e2e = None
         if cfg.e2e_steps:
             from .e2e import tune_end_to_end
+            tensors = {k: lazy.tensor(k) for k in lazy.where if not k.startswith("model.layers.")}
+            tensors.update(outside)
+            for f in layer_files:
+                tensors.update(load_file(str(f)))
             lazy = None  # unmaps the source files: this stage holds the whole model
             tensors, e2e = tune_end_to_end(src, tensors, fmt, cfg.w_bits, cfg.w_group_size, bool(cfg.w_sym), samples,
                                            cfg.e2e_steps, device, cdtype)
@@ -209,8 +210,10 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
                   f"KL {e2e['held_out_kl_before']:.4g} -> {e2e['held_out_kl_after']:.4g} "
                   f"({'kept' if e2e['kept'] else 'not lower: the method values kept'}), {e2e['seconds']} s",
                   file=sys.stderr)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+        else:  # streamed tensor by tensor: memory stays about one tensor, whatever the model size
+            _write_streamed(tmp / "model.safetensors", lazy, outside, layer_files)
         qc = fmt.config(cfg.format_options())
         write_json(tmp / "config.json", dict(config, quantization_config=qc))
         for name, content in fmt.extra_files(qc).items():
@@ -294,6 +297,36 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
         if stop_after_layers is not None and i + 1 - reused >= stop_after_layers:
             raise KeyboardInterrupt(f"stopped after {i + 1} layers (test hook)")
     return n_tok, reused, notes
+
+
+def _write_streamed(path: Path, lazy: LazyCheckpoint, outside: dict[str, torch.Tensor],
+                    layer_files: list[Path]) -> None:
+    """The output ``model.safetensors`` written one tensor at a time: the source's tensors outside the decoder layers
+    (those in ``outside`` as the run changed them), then every finished layer file's tensors."""
+    from safetensors import safe_open
+
+    specs, where = [], {}
+    for k in lazy.where:
+        if not k.startswith("model.layers.") and k not in outside:
+            specs.append((k, SAFETENSORS_DTYPES[lazy.dtype_names[k]], lazy.shapes[k]))
+    specs += [(k, v.dtype, tuple(v.shape)) for k, v in outside.items()]
+    for f in layer_files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                specs.append((k, SAFETENSORS_DTYPES[sl.get_dtype()], tuple(sl.get_shape())))
+                where[k] = str(f)
+
+    def read(name: str) -> torch.Tensor:
+        """One tensor, read through a mapping closed at once (its pages do not stay resident)."""
+        if name in outside:
+            return outside[name]
+        if name not in where:
+            return lazy.tensor(name)
+        with safe_open(where[name], "pt") as h:
+            return h.get_tensor(name)
+
+    write_safetensors_streamed(path, specs, read, metadata={"format": "pt"})
 
 
 def _exit_on_sigterm():

@@ -20,8 +20,8 @@ from turbo.config import EngineConfig, GenerationConfig
 from turbo.core.block_manager import BlockManager, block_hashes
 from turbo.core.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from turbo.core.engine import EngineCore
-from turbo.core.request import GenerationOutput, Request, step_input
-from turbo.core.scheduler import ScheduledStep, Scheduler, Sequence, Status
+from turbo.core.request import GenerationOutput, Request, StepOutput, step_input
+from turbo.core.scheduler import Scheduler, SchedulerOutput, Sequence, Status
 from turbo.core.startup import EngineParts, start
 from turbo.errors import InvalidRequest
 
@@ -107,7 +107,8 @@ def _blocks(n_tokens: int) -> int:
 
 
 # --- the import rule ---------------------------------------------------------------------------------------------
-FORBIDDEN = ("turbo.engine", "turbo.session", "turbo.loop", "turbo.serve", "turbo.cli", "turbo.plan")
+FORBIDDEN = ("turbo.engine", "turbo.session", "turbo.loop", "turbo.serve", "turbo.engine_proc", "turbo.router",
+             "turbo.remote", "turbo.cli", "turbo.plan")
 
 
 def _imports(source: str, package: str) -> set[str]:
@@ -431,7 +432,7 @@ def test_lock_is_reentrant_and_guards_add_request(core):
 
 
 # --- the scheduler's update and the step data (pure Python) --------------------------------------------------------
-def test_update_from_output_advances_registers_and_returns_ready_rows():
+def test_update_from_output_advances_appends_registers_and_returns_rows_with_tokens():
     bm = BlockManager(num_blocks=8, block_size=4)
     s = Scheduler(bm, max_batch_size=4, max_num_batched_tokens=10)
     a = Sequence(seq_id=1, token_ids=list(range(6)))
@@ -441,19 +442,19 @@ def test_update_from_output_advances_registers_and_returns_ready_rows():
     step = s.schedule()
     assert [q.seq_id for q in step.seqs] == [1, 2] and step.num_new_tokens == [6, 4]
     assert a.block_table == [0, 1] and b.block_table == [2]
-    assert s.update_from_output(step) == [0]  # a is complete; b computed a prompt chunk
-    assert (a.num_computed, b.num_computed) == (6, 4)
+    assert step.sampled == [True, False]  # a is complete after the step; b computes a prompt chunk
+    assert s.update_from_output(step, StepOutput({0: [7]})) == [0]
+    assert (a.num_computed, b.num_computed) == (6, 4) and a.token_ids[-1] == 7
     ha, hb = block_hashes(a.token_ids, 4), block_hashes(b.token_ids, 4)
     assert bm.block_hash[:3] == [ha[0], None, hb[0]] and bm.cached == {ha[0]: 0, hb[0]: 2}
-    a.token_ids.append(7)  # a's sampled token
     step = s.schedule()
     assert [q.seq_id for q in step.seqs] == [1, 2] and step.num_new_tokens == [1, 5]
     assert a.block_table == [0, 1] and b.block_table == [2, 3, 4]
-    assert s.update_from_output(step) == [0, 1]
-    assert (a.num_computed, b.num_computed) == (7, 9)
+    assert s.update_from_output(step, StepOutput({0: [8], 1: [9]})) == [0, 1]
+    assert (a.num_computed, b.num_computed) == (7, 9) and (a.num_tokens, b.num_tokens) == (8, 10)
     assert bm.block_hash[1] is None and bm.block_hash[3] == hb[1] and bm.block_hash[4] is None
     assert bm.cached == {ha[0]: 0, hb[0]: 2, hb[1]: 3}
-    assert s.update_from_output(ScheduledStep([], [], [])) == []
+    assert s.update_from_output(SchedulerOutput([], [], []), StepOutput()) == []
 
 
 def test_evict_if_idle_frees_only_an_idle_sequence():
@@ -462,7 +463,7 @@ def test_evict_if_idle_frees_only_an_idle_sequence():
     seq = Sequence(seq_id=1, token_ids=list(range(6)))
     assert s.evict_if_idle(seq) is False  # never added
     s.add(seq)
-    s.update_from_output(s.schedule())
+    s.update_from_output(s.schedule(), StepOutput())
     assert seq.status == Status.RUNNING and seq.block_table == [0, 1]
     assert s.evict_if_idle(seq) is False and seq.block_table == [0, 1] and bm.num_free == 2
     seq.token_ids.append(9)
@@ -477,12 +478,16 @@ def test_step_input_lays_out_tokens_slots_and_logits_rows():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = Sequence(seq_id=1, token_ids=[10, 11, 12, 13, 14, 15], block_table=[5, 2])
     b = Sequence(seq_id=2, token_ids=[20, 21, 22, 23, 24], num_computed=4, block_table=[7, 0])
-    si = step_input([a, b], [6, 1], bm)
+    si = step_input(SchedulerOutput([a, b], [6, 1], []), bm)
     assert si.token_ids == [10, 11, 12, 13, 14, 15, 24]
     assert si.positions == [0, 1, 2, 3, 4, 5, 4]
     assert si.slot_mapping == [20, 21, 22, 23, 8, 9, 0]
     assert si.query_start == [0, 6, 7] and si.context_lens == [6, 5]
     assert si.block_tables == [[5, 2], [7, 0]] and si.logits_rows == [5, 6]
+    # a row with 2 drafts: its last real token and the drafts are computed, and all three rows' logits returned
+    si = step_input(SchedulerOutput([b], [3], [], drafts=[[30, 31]]), bm)
+    assert si.token_ids == [24, 30, 31] and si.positions == [4, 5, 6] and si.slot_mapping == [0, 1, 2]
+    assert si.context_lens == [7] and si.logits_rows == [0, 1, 2]
 
 
 def _request(tok, prompt: list[int], gen: GenerationConfig, stop_ids=frozenset({1})) -> Request:
@@ -500,7 +505,7 @@ def test_request_append_token_end_and_output(core):
     assert r.append_token(the, [(the, -0.5)], 256) is None
     assert r.take_text() == "th" and r.t_first is not None
     assert r.append_token(of, None, 256) == "length"
-    assert r.text == "the o" and r.seq.token_ids == prompt + [the, of]
+    assert r.text == "the o" and r.output_ids == [the, of] and r.seq.token_ids == prompt  # the scheduler appends
     r.end("length")
     assert r.finished and r.text == "the of" and r.take_text() == "e of"
     out = r.output()

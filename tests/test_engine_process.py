@@ -1,11 +1,13 @@
-"""The server with its engine core in a process of its own (turbo/serve/engine_proc.py, mp_client.py): replies,
+"""The server with its engine core in a process of its own (turbo/engine_proc/: process.py, mp_client.py): replies,
 streams, logprobs, sessions and errors equal the in-process engine's; a client that goes away frees its KV; an
 engine process that dies ends open requests with 503, turns /health to 503 and makes `liteturbo serve` exit; a
 front that dies takes its engine process with it; a model that fails to load says why."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -18,8 +20,12 @@ import pytest
 
 from lite.formats import LiteturboError
 from turbo import Engine, EngineConfig, GenerationConfig
+from turbo.engine_proc import messages
+from turbo.engine_proc.client import EngineClient
+from turbo.engine_proc.inproc import InprocClient
+from turbo.engine_proc.mp_client import MPClient
+from turbo.errors import Conflict, InternalError, OverCapacity
 from turbo.serve.app import create_app
-from turbo.serve.mp_client import MPClient
 
 from conftest import free_port, serve_in_thread, wait_healthy
 
@@ -118,6 +124,34 @@ def test_a_client_that_goes_away_frees_its_blocks(served):
     assert "liteturbo_kv_blocks_used 0.0" in metrics
 
 
+def test_both_engine_clients_have_every_method_of_the_protocol_with_its_parameters():
+    members = [n for n, v in vars(EngineClient).items() if not n.startswith("_") and (callable(v) or
+                                                                                       isinstance(v, property))]
+    assert len(members) == 15  # running, exit_reason and the 13 methods
+    for cls in (InprocClient, MPClient):
+        for name in members:
+            want, got = getattr(EngineClient, name), getattr(cls, name, None)
+            assert got is not None, (cls.__name__, name)
+            if callable(want):
+                assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), name
+
+
+def test_messages_pickle_and_errors_keep_their_type():
+    out = messages.Out()
+    out.add(3, "hi", [7, 8], [None, None])
+    out.add(3, "", [], [], messages.WireError.of(OverCapacity("full", retry_after=2.5)))
+    out.add(4, "", [9], [None], messages.WireError.of(RuntimeError("kernel")))
+    back = pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == out and len(back) == 3 and [rid for rid, *_ in back.items()] == [3, 3, 4]
+    full, kernel = (end.exception() for *_, end in list(back.items())[1:])
+    assert isinstance(full, OverCapacity) and full.retry_after == 2.5
+    assert isinstance(kernel, InternalError) and "RuntimeError: kernel" in str(kernel)
+    ack = pickle.loads(pickle.dumps(messages.Ack(5, error=messages.WireError.of(Conflict("busy")))))
+    assert isinstance(ack.error.exception(), Conflict) and ack.stop_ids is None
+    chat = messages.Chat(1, "sess-x", "hello", GenerationConfig(max_new_tokens=2), tools=[{"type": "function"}])
+    assert pickle.loads(pickle.dumps(chat)) == chat
+
+
 def test_a_model_that_fails_to_load_says_why(tmp_path):
     with pytest.raises(LiteturboError, match="config.json|not a model|no model"):
         MPClient(tmp_path / "nothing-here", OPTS, start_timeout=120)
@@ -154,7 +188,7 @@ def _stream_then(url: str, body: dict, act) -> tuple[list[str], list[dict], floa
 
 
 def _engine_pid(proc: subprocess.Popen) -> int:
-    kids = [p for p in psutil.Process(proc.pid).children() if "turbo.serve.engine_proc" in " ".join(p.cmdline())]
+    kids = [p for p in psutil.Process(proc.pid).children() if "turbo.engine_proc.process" in " ".join(p.cmdline())]
     assert len(kids) == 1
     return kids[0].pid
 

@@ -361,7 +361,7 @@ def test_unwritable_output_paths_are_refused_by_name(tmp_path):
 
     from lite.formats import check_output_dir
     from turbo.core.scheduler import Sequence
-    from turbo.serve.sessions import SessionRegistry
+    from turbo.engine_proc.sessions import SessionRegistry
     from turbo.session import Session
 
     a_file = tmp_path / "afile"
@@ -378,7 +378,7 @@ def test_unwritable_output_paths_are_refused_by_name(tmp_path):
 @pytest.mark.parametrize("url", ["notaurl::", "http://[::1"])
 def test_chat_url_that_is_not_a_url_is_refused_by_name(url):
     pytest.importorskip("httpx")
-    from turbo.serve.client import RemoteSession
+    from turbo.remote import RemoteSession
 
     with pytest.raises(LiteturboError, match="is not a valid URL"):
         RemoteSession(url)

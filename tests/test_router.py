@@ -1,4 +1,4 @@
-"""Replicas behind the session-affine router (turbo/serve/router.py) and the shared session dir of the registry.
+"""Replicas behind the session-affine router (turbo/router.py) and the shared session dir of the registry.
 
 - the choice: rendezvous hashing (order-free, balanced, a removed replica's keys only move), least loaded, health;
 - the registry over a shared dir (two engines in this process): a session one registry saved is loaded by the other
@@ -29,8 +29,9 @@ from click.testing import CliRunner
 
 from turbo import Engine, EngineConfig, GenerationConfig
 from turbo.errors import Conflict, InvalidRequest, NotFound
-from turbo.serve.router import Router, create_router_app, rendezvous, replica_url
-from turbo.serve.sessions import SessionRegistry, new_session_id, session_id_problem
+from turbo.router import Router, create_router_app, rendezvous, replica_url
+from turbo.engine_proc.sessions import SessionRegistry
+from turbo.session_ids import new_session_id, session_id_problem
 
 from conftest import free_port, serve_in_thread, wait_healthy
 

@@ -176,7 +176,7 @@ def test_seeded_sampling_is_reproducible(client):
 
 def test_concurrent_requests_share_the_batch(app, client):
     engine = app.state.engine
-    steps0 = engine.counters["steps"]
+    steps0 = engine.counters.steps
     results = [None] * 3
 
     def one(i):
@@ -191,7 +191,7 @@ def test_concurrent_requests_share_the_batch(app, client):
         t.join(60)
     assert all(r for r in results)
     # alone they would take 3 x 8 steps (the prefill step gives the first token); together about 8 or 9
-    assert engine.counters["steps"] - steps0 <= 16
+    assert engine.counters.steps - steps0 <= 16
 
 
 def test_bad_requests_get_400_naming_the_field(app, http):
@@ -381,7 +381,7 @@ def test_metrics_count_requests_tokens_and_latencies(url, http):
 def test_sessions_survive_a_server_restart_with_the_same_tokens(smollm2_rtn_g64, tmp_path):
     """Three turns, the server restarted with the same session dir, a fourth turn: the same tokens as four turns
     without a restart."""
-    from turbo.serve.sessions import SessionRegistry
+    from turbo.engine_proc.sessions import SessionRegistry
 
     turns = ["Hi! My name is Ada.", "What is 2+2?", "Name a color.", "What is my name?"]
     body = {"max_tokens": 12, "temperature": 0}

@@ -6,7 +6,7 @@ import pytest
 
 from turbo import Engine, EngineConfig, GenerationConfig
 from turbo.errors import Conflict, NotFound
-from turbo.serve.sessions import SessionRegistry
+from turbo.engine_proc.sessions import SessionRegistry
 
 G = GenerationConfig(max_new_tokens=6, ignore_eos=True)
 TURNS = ["the of and", "to in a", "is that for", "it with was"]

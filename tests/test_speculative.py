@@ -41,11 +41,11 @@ def _ids(engine, msg):
 def test_greedy_tokens_equal_without_drafts(engine, k):
     p = _ids(engine, "Repeat this text exactly:\n\n" + TEXT)
     want = engine.generate(p, GenerationConfig(max_new_tokens=60))
-    c0 = dict(engine.counters)
+    c0 = engine.counters.as_dict()
     got = engine.generate(p, GenerationConfig(max_new_tokens=60, speculative=k))
     assert got.token_ids == want.token_ids and got.text == want.text and got.finish_reason == want.finish_reason
-    steps = engine.counters["spec_steps"] - c0["spec_steps"]
-    acc = engine.counters["spec_accepted"] - c0["spec_accepted"]
+    steps = engine.counters.spec_steps - c0["spec_steps"]
+    acc = engine.counters.spec_accepted - c0["spec_accepted"]
     assert steps > 0 and acc > steps // 2  # the text repeats the prompt: most drafts are kept
 
 
@@ -95,11 +95,11 @@ def test_the_server_default_and_the_request_field(engine):
     try:
         body = {"messages": [{"role": "user", "content": "Repeat this text exactly:\n\n" + TEXT}], "max_tokens": 40,
                 "temperature": 0}
-        c0 = engine.counters["spec_steps"]
+        c0 = engine.counters.spec_steps
         on = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
-        c1 = engine.counters["spec_steps"]
+        c1 = engine.counters.spec_steps
         off = httpx.post(f"{url}/v1/chat/completions", json=dict(body, speculative=0), timeout=60).json()
-        assert c1 > c0 and engine.counters["spec_steps"] == c1  # the default drafts; speculative=0 turns it off
+        assert c1 > c0 and engine.counters.spec_steps == c1  # the default drafts; speculative=0 turns it off
         assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         assert 'liteturbo_speculative{figure="tokens_per_step"}' in metrics

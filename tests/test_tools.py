@@ -13,8 +13,8 @@ import pytest
 
 from lite.formats import LiteturboError
 from turbo.errors import InvalidRequest
+from turbo.http_errors import APIError
 from turbo.serve import protocol, tools
-from turbo.serve.responses import APIError
 from turbo.serve.tool_parsers import ToolParser
 
 llguidance = pytest.importorskip("llguidance")

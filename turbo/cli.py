@@ -1,7 +1,8 @@
-"""The ``liteturbo`` command line: ``liteturbo chat``, ``liteturbo serve`` (the HTTP API, :mod:`turbo.serve`),
-``liteturbo plan`` (will a model fit: :mod:`turbo.plan`), ``liteturbo env`` (hardware, versions, backends and their
-op coverage) and ``liteturbo lite ...``: the quantizer's group from :mod:`lite.cli`, mounted here with one command
-added, ``lite eval-ppl`` (perplexity through turbo's engine, :mod:`turbo.perplexity`).
+"""The ``liteturbo`` command line: ``liteturbo chat`` (``--url``: on a server, :mod:`turbo.remote`), ``liteturbo
+serve`` (the HTTP API, :mod:`turbo.serve`), ``liteturbo route`` (:mod:`turbo.router`), ``liteturbo plan`` (will a
+model fit: :mod:`turbo.plan`), ``liteturbo env`` (hardware, versions, backends and their op coverage) and
+``liteturbo lite ...``: the quantizer's group from :mod:`lite.cli`, mounted here with one command added,
+``lite eval-ppl`` (perplexity through turbo's engine, :mod:`turbo.perplexity`).
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed)
     if url:
-        from turbo.serve.client import RemoteSession
+        from turbo.remote import RemoteSession
 
         session = RemoteSession(url, system, api_key=api_key)
         click.echo(f"[liteturbo] session {session.id} on {session.url}; /reset clears the history, /exit quits",
@@ -262,8 +263,8 @@ def serve(model, host, port, model_name, api_keys, batch_invariant, engine_proce
 @main.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def route(args) -> None:
-    """Route clients to `liteturbo serve` replicas by session (turbo/serve/router.py; `liteturbo route --help`)."""
-    from turbo.serve.router import route_command
+    """Route clients to `liteturbo serve` replicas by session (turbo/router.py; `liteturbo route --help`)."""
+    from turbo.router import route_command
     route_command.main(list(args), prog_name="liteturbo route")
 
 

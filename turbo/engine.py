@@ -13,8 +13,7 @@ from typing import Iterator
 from lite.formats import LiteturboError
 
 from .config import GenerationConfig, generation_config
-from .core.engine import EngineCore
-from .core.request import GenerationOutput, Request, StepInput
+from .core import EngineCore, GenerationOutput, Request, StepInput
 from .loop import EngineLoop
 from .session import Session, load_session
 

@@ -23,8 +23,7 @@ from typing import Any, Iterator
 from lite.formats import LiteturboError
 
 from .config import GenerationConfig
-from .core.engine import EngineCore
-from .core.request import GenerationOutput, Request
+from .core import EngineCore, GenerationOutput, Request
 from .errors import InternalError, InvalidRequest, OverCapacity
 from .session import Session
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from lite.formats import LiteturboError
 
-from .core.request import StepInput
+from .core import StepInput
 from .engine import Engine
 
 

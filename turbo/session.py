@@ -22,9 +22,7 @@ from lite.formats import LiteturboError, make_dirs
 
 from .chat_render import render_prompt
 from .config import GenerationConfig, generation_config
-from .core.engine import EngineCore
-from .core.kv_tier import saved_kv_ref
-from .core.request import GenerationOutput, Request
+from .core import EngineCore, GenerationOutput, Request, saved_kv_ref
 from .errors import Conflict, InvalidRequest
 
 

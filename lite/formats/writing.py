@@ -1,14 +1,19 @@
 """Writing a checkpoint folder: refuse a target whose replacement would destroy data, write into a temporary
-sibling folder renamed into place at the end (a failed run never leaves a half-written checkpoint), JSON files."""
+sibling folder renamed into place at the end (a failed run never leaves a half-written checkpoint), JSON files, and a
+safetensors file written tensor by tensor (:func:`write_safetensors_streamed`: memory bounded by the largest tensor)."""
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+import torch
 
 from .errors import LiteturboError
 
@@ -93,3 +98,40 @@ def write_json(path: Path, obj: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
         f.write("\n")
+
+
+SAFETENSORS_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+SAFETENSORS_DTYPES = {v: k for k, v in SAFETENSORS_DTYPE_NAMES.items()}  # "BF16" -> torch.bfloat16
+
+
+def write_safetensors_streamed(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                               read: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """Write one safetensors file tensor by tensor, so that at most one tensor is in memory at a time.
+
+    ``specs``: (name, dtype, shape) of every tensor, in file order; ``read(name)`` returns that tensor (CPU, the
+    given dtype and shape), called once per name, after the header is written. The layout is the published
+    safetensors format (8-byte little-endian header length, a JSON header padded with spaces to 8 bytes, then the
+    tensors' bytes, C order, little-endian), the same bytes as ``safetensors.torch.save_file`` up to tensor order.
+    Returns the file size in bytes. Raises ``LiteturboError`` when a tensor read does not match its spec."""
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, dtype, shape in specs:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, dtype, shape in specs:
+            t = read(name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise LiteturboError(f"tensor {name} came out {t.dtype} {tuple(t.shape)}, expected {dtype} "
+                                     f"{tuple(shape)}; the partial-run folder is damaged: delete it and start again")
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            del t
+        size = f.tell()
+    return size

@@ -1,10 +1,15 @@
 """The engine core: a persistent batch over a paged KV cache; requests are added, stepped, cancelled and read here.
 
-``step()`` reads as schedule → run → update: the :class:`~turbo.core.scheduler.Scheduler` picks which sequences
-compute how many tokens, the :class:`~turbo.core.runner.ModelRunner` computes them as one flat batch, the scheduler
-advances their computed tokens (:meth:`~turbo.core.scheduler.Scheduler.update_from_output`), and every sequence whose
-tokens are all computed gets a token from one batched draw (:mod:`turbo.core.sampler`) whose text is released
-(:mod:`turbo.core.detokenizer`). Start-up (loading, memory fitting, pool sizing) is :mod:`turbo.core.startup`.
+``step()`` reads schedule → run → update, as vLLM v1's does: the :class:`~turbo.core.scheduler.Scheduler` returns a
+:class:`~turbo.core.scheduler.SchedulerOutput` (which sequences compute how many tokens, the speculative drafts each
+row verifies, the KV-tier stores and loads to carry out first); the engine carries out the moves, the
+:class:`~turbo.core.runner.ModelRunner` computes the step as one flat batch and the rows are sampled in one batched
+draw (:mod:`turbo.core.sampler`; drafts verified by :mod:`turbo.core.speculative`) into a
+:class:`~turbo.core.request.StepOutput`; each request's stop rules cut its tokens (:meth:`Request.append_token
+<turbo.core.request.Request.append_token>`, text released through :mod:`turbo.core.detokenizer`); and
+:meth:`~turbo.core.scheduler.Scheduler.update_from_output` applies the output (rejected drafts rolled back). Counters
+are one :class:`~turbo.core.counters.EngineCounters`. Start-up (loading, memory fitting, pool sizing) is
+:mod:`turbo.core.startup`.
 
 :class:`EngineCore` also offers what sessions and the background loop build on, so that they never reach into the
 scheduler, block manager or runner: ``lock``, :meth:`~EngineCore.new_sequence`, :meth:`~EngineCore.drive`,
@@ -30,12 +35,13 @@ from lite.formats.checkpoint import weight_files
 from ..config import EngineConfig, GenerationConfig
 from ..errors import EngineDead
 from . import inputs, speculative
+from .counters import EngineCounters
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .guided import Guide, MaskJob
-from .kv_tier import HostTier, common_prefix, load_saved_kv, prefix_kv, timed
-from .request import GenerationOutput, Request, step_input
+from .kv_tier import HostTier, load_saved_kv, prefix_kv, timed
+from .request import GenerationOutput, Request, StepOutput, step_input
 from .sampler import RowSampling, SamplingError, sample_batch
-from .scheduler import ScheduledStep, Sequence
+from .scheduler import KVLoad, KVStore, SchedulerOutput, Sequence
 from .startup import engine_config, start
 
 
@@ -55,19 +61,15 @@ class EngineCore:
         self.thread_control = p.thread_control  # CPU threads under contention (backends/cpu_threads.py)
         # sessions' evicted KV in host memory, and saved on disk (turbo/core/kv_tier.py); one rank only
         self.host_tier = HostTier(int(self.config.session_host_gib * 2**30))
-        if self.config.tensor_parallel_size == 1:
-            self.scheduler.on_admit = self._restore
-            if self.config.session_host_gib > 0:
-                self.scheduler.on_evict = self._spill
+        if self.config.tensor_parallel_size == 1:  # the scheduler plans the tiers' stores and loads as step data
+            self.scheduler.restore_kv = True
+            self.scheduler.spill_kv = self.config.session_host_gib > 0
         self.requests: dict[int, Request] = {}
         # one step at a time: threads may share an engine (each drives steps for everyone until its own
         # request is done); the lock guards the scheduler, the block manager and the caches
         self.lock = threading.RLock()
         self._ids = itertools.count()
-        self.counters = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "last_prefill_tokens": 0,
-                         "generated_tokens": 0, "busy_seconds": 0.0,
-                         "mask_rows": 0, "mask_seconds": 0.0, "mask_wait_seconds": 0.0,
-                         "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0}
+        self.counters = EngineCounters()
 
     # --- requests --------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], gen: GenerationConfig | None = None, priority: int = 0,
@@ -127,7 +129,7 @@ class EngineCore:
         back), keeping the KV of the tokens both share (but a last partial block now shared in the prefix cache)."""
         with self.lock:
             self._keep_common(seq, token_ids, min(seq.num_computed, len(token_ids)))
-            seq.token_ids, seq.num_drafts = list(token_ids), 0
+            seq.token_ids, seq.draft_ids = list(token_ids), []
 
     def prepare_constraint(self, gen: GenerationConfig) -> None:
         """Compile ``gen``'s constraint into the cache :meth:`add_request` copies from (see
@@ -183,48 +185,57 @@ class EngineCore:
 
     # --- the step ----------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one scheduler step; returns the requests that got a new token (or finished).
-
-        If the step fails (a kernel error, a request's sampling options), the requests of the step are
-        finished with ``finish_reason="error"`` (their blocks freed) and the exception propagates, so no
-        request is left half-run."""
+        """Schedule → KV-tier moves → run and sample (a :class:`StepOutput`) → stop rules → ``update_from_output``;
+        returns the requests that got tokens or ended. A failed step ends its requests with ``"error"`` and raises."""
         with self.lock:
             if self.dead is not None:  # a tensor-parallel rank is gone: every request ends with the error
                 self._fail_all(EngineDead(self.dead + "; the engine cannot continue: restart it"))
             t0 = time.perf_counter()
-            drafted = speculative.propose_drafts(self)  # prompt-lookup drafts of speculating requests
+            self._propose_drafts()
             sched = self.scheduler.schedule()
-            speculative.fit_drafts(sched, drafted)
-            if not sched.seqs:
-                self._refuse_unfittable()
-                return []
             try:
-                self._note_cache_hits(sched)
-                self.thread_control.begin_step(len(sched.seqs), sched.total_tokens)
-                masks = self._start_masks(sched)  # constraints' masks on a CPU thread while the forward runs
-                logits = self.runner.run(step_input(sched.seqs, sched.num_new_tokens, self.block_manager))
-                first_row = list(itertools.accumulate((s.num_drafts + 1 for s in sched.seqs), initial=0))
-                ready = self.scheduler.update_from_output(sched)
-                allowed = {} if masks is None else masks.result()
-                touched = self._emit_tokens(logits, [(i, first_row[i], self.requests[sched.seqs[i].seq_id])
-                                                     for i in ready], allowed)
+                self._move_kv(sched)
+                if not sched.seqs:
+                    return self._refuse_unfittable(sched)
+                out = self._execute(sched)
+                rows = self._apply_stop_rules(sched, out)
+                self.scheduler.update_from_output(sched, out)
             except BaseException as e:
                 self._fail(sched, e)
                 raise
-            self.thread_control.end_step()
-            if masks is not None:
-                self.counters["mask_rows"] += len(allowed)
-                self.counters["mask_seconds"] += masks.compute_s
-                self.counters["mask_wait_seconds"] += masks.wait_s
-            self.counters["steps"] += 1
-            self.counters["busy_seconds"] += time.perf_counter() - t0
-            return touched
+            for req, reason in rows:
+                if reason is not None:
+                    self._finish(req, reason)
+            self.counters.steps += 1
+            self.counters.busy_seconds += time.perf_counter() - t0
+            return [req for req, _ in rows]
 
-    def _refuse_unfittable(self) -> None:
+    def _propose_drafts(self) -> None:
+        """Prompt-lookup drafts of speculating requests, as data on their sequences (the scheduler fits them)."""
+        for req in self.requests.values():
+            if req.gen.speculative:
+                req.seq.draft_ids = speculative.draft(req, self.session_len)
+
+    def _execute(self, sched: SchedulerOutput) -> StepOutput:
+        """Compute ``sched`` (one forward; constraints' masks on a CPU thread beside it) and sample its rows."""
+        self._note_cache_hits(sched)
+        self.thread_control.begin_step(len(sched.seqs), sched.total_tokens)
+        masks = self._start_masks(sched)
+        logits = self.runner.run(step_input(sched, self.block_manager))
+        allowed = {} if masks is None else masks.result()
+        out = self._sample(logits, sched, allowed)
+        self.thread_control.end_step()
+        if masks is not None:
+            self.counters.mask_rows += len(allowed)
+            self.counters.mask_seconds += masks.compute_s
+            self.counters.mask_wait_seconds += masks.wait_s
+        return out
+
+    def _refuse_unfittable(self, sched: SchedulerOutput) -> list[Request]:
         """Nothing was scheduled: a waiting request that does not fit even alone gets the error (raised to its
-        owner, not to whoever stepped)."""
-        if not self.scheduler.waiting:
-            return
+        owner, not to whoever stepped). Not when a failed load took the step's sequence out (it recomputes next)."""
+        if not self.scheduler.waiting or sched.kv_loads:
+            return []
         seq = next((s for s in self.scheduler.waiting if not s.held), self.scheduler.waiting[0])
         req = self.requests.get(seq.seq_id)
         if req is not None:
@@ -232,6 +243,7 @@ class EngineCore:
                                        f"{self.block_manager.block_size} tokens) cannot hold this request "
                                        f"({seq.num_tokens} tokens); raise max_kv_tokens or kv_cache_gib")
             self._finish(req, "error")
+        return []
 
     def _fail_all(self, error: EngineDead) -> None:
         """End every request with ``error`` (the engine is dead) and raise it."""
@@ -241,64 +253,89 @@ class EngineCore:
                 self._finish(req, "error")
         raise error
 
-    def _fail(self, sched: ScheduledStep, error: BaseException) -> None:
+    def _fail(self, sched: SchedulerOutput, error: BaseException) -> None:
         for seq in sched.seqs:
             req = self.requests.get(seq.seq_id)
             if req is not None and not req.finished:
                 req.error = error
                 self._finish(req, "error")
 
-    def _note_cache_hits(self, sched: ScheduledStep) -> None:
+    def _note_cache_hits(self, sched: SchedulerOutput) -> None:
         for seq in sched.seqs:
             req = self.requests[seq.seq_id]
             if req.cached_tokens < 0:  # first step of the request: what the prefix cache (or a session) held
                 req.cached_tokens = seq.num_computed
 
-    def _start_masks(self, sched: ScheduledStep) -> MaskJob | None:
+    def _start_masks(self, sched: SchedulerOutput) -> MaskJob | None:
         """The allowed-token masks of the step's constrained rows that will sample, started on a worker thread."""
-        guides = [self.requests[seq.seq_id].guide if seq.num_computed + n >= seq.num_tokens else None
-                  for seq, n in zip(sched.seqs, sched.num_new_tokens)]
+        guides = [self.requests[seq.seq_id].guide if sampled else None
+                  for seq, sampled in zip(sched.seqs, sched.sampled)]
         return MaskJob(guides, self.vocab_size) if any(g is not None for g in guides) else None
 
-    def _emit_tokens(self, logits: torch.Tensor, ready: list[tuple[int, int, Request]],
-                     masks: dict[int, torch.Tensor]) -> list[Request]:
-        """Sample a token for each (step row, logits row, request) in one batched draw on the logits' device (one host
-        synchronization) and append it; a request whose sampling fails alone ends with its error. ``masks``: step
-        row -> the tokens its constraint allows. A request with speculative drafts verifies them instead
-        (:func:`turbo.core.speculative.verify_drafts`)."""
-        spec = [(row, req) for _, row, req in ready if req.seq.num_drafts]
-        ready = [(row, req, i) for i, row, req in ready if not req.seq.num_drafts]
-        for row, req in spec:
-            speculative.verify_drafts(self, logits, row, req)
-        for _, req, _ in ready:
+    def _sample(self, logits: torch.Tensor, sched: SchedulerOutput, masks: dict[int, torch.Tensor]) -> StepOutput:
+        """The :class:`StepOutput` of the step's sampled rows: a row with drafts verifies them
+        (:func:`turbo.core.speculative.verify`); the others get a token each from one batched draw on the logits'
+        device (one host synchronization). A row whose sampling fails alone gets its error. ``masks``: step row ->
+        the tokens its constraint allows."""
+        out, c = StepOutput(), self.counters
+        first_row = list(itertools.accumulate((len(d) + 1 for d in sched.drafts), initial=0))
+        plain = []
+        for i, seq in enumerate(sched.seqs):
+            if not sched.sampled[i]:
+                continue
+            req, d = self.requests[seq.seq_id], sched.drafts[i]
+            if d:
+                out.new_token_ids[i], out.num_accepted[i] = speculative.verify(logits, first_row[i], d)
+                c.spec_steps, c.spec_drafted, c.spec_accepted = (c.spec_steps + 1, c.spec_drafted + len(d),
+                                                                 c.spec_accepted + out.num_accepted[i])
+                continue
             if not req.output_ids:
-                self.counters["prefill_tokens"] += req.prompt_len - req.cached_tokens
-                self.counters["last_prefill_tokens"] = req.prompt_len - req.cached_tokens
+                c.prefill_tokens += req.prompt_len - req.cached_tokens
+                c.last_prefill_tokens = req.prompt_len - req.cached_tokens
             else:
-                self.counters["decode_tokens"] += 1
-        if not ready:
-            return [req for _, req in spec]
+                c.decode_tokens += 1
+            plain.append((i, req))
+        if not plain:
+            return out
         opts = [RowSampling.of(
             req.gen, generator=req.rng, output_ids=req.output_ids,
             prompt_ids=req.seq.token_ids[:req.prompt_len] if req.gen.repetition_penalty != 1.0 else (),
             banned_ids=req.stop_ids if len(req.output_ids) < req.gen.min_new_tokens and req.guide is None else (),
-            token_mask=masks.get(i)) for _, req, i in ready]
+            token_mask=masks.get(i)) for i, req in plain]
+        rows = [first_row[i] for i, _ in plain]
         try:
-            picks = sample_batch(logits, opts, [row for row, _, _ in ready])
+            picks = sample_batch(logits, opts, rows)
         except Exception:  # some request's sampling failed: find it by sampling each row alone
-            picks = [self._sample_alone(logits, row, req, opt) for (row, req, _), opt in zip(ready, opts)]
-        for (_, req, _), pick in zip(ready, picks):
+            picks = [self._sample_alone(logits, row, req, opt) for row, (_, req), opt in zip(rows, plain, opts)]
+        for (i, _), pick in zip(plain, picks):
+            if isinstance(pick, Exception):
+                out.errors[i] = pick
+            else:
+                out.new_token_ids[i], out.logprobs[i] = [pick.token_id], pick.logprobs
+        return out
+
+    def _apply_stop_rules(self, sched: SchedulerOutput, out: StepOutput) -> list[tuple[Request, str | None]]:
+        """Give each row's new tokens to its request (its stop rules: stop ids and strings, the token limit, the
+        context, a constraint); a row's tokens are cut after the one that ends it. Returns (request, finish reason
+        or ``None``) per row that got tokens or an error; a request whose sampling or constraint failed alone ends
+        with that error."""
+        rows = []
+        for i in sorted({*out.new_token_ids, *out.errors}):
+            req, toks, reason, j = self.requests[sched.seqs[i].seq_id], out.new_token_ids.get(i, []), None, 0
             try:
-                if isinstance(pick, Exception):
-                    raise pick
-                self.counters["generated_tokens"] += 1
-                reason = req.append_token(pick.token_id, pick.logprobs, self.session_len)
-                if reason is not None:
-                    self._finish(req, reason)
+                if i in out.errors:
+                    raise out.errors[i]
+                for j, tok in enumerate(toks):
+                    self.counters.generated_tokens += 1
+                    self.counters.decode_tokens += i in out.num_accepted
+                    reason = req.append_token(tok, out.logprobs.get(i), self.session_len)
+                    if reason is not None:
+                        break
             except Exception as e:  # this request's sampling failed: it alone ends, with the error kept
-                req.error = e
-                self._finish(req, "error")
-        return [req for _, req, _ in ready] + [req for _, req in spec]
+                req.error, reason = e, "error"
+            del toks[j + 1:]
+            rows.append((req, reason))
+        return rows
 
     @staticmethod
     def _sample_alone(logits: torch.Tensor, row: int, req: Request, opt: RowSampling):
@@ -309,35 +346,40 @@ class EngineCore:
         except Exception as e:
             return e
 
-    # --- the host tier of session KV ----------------------------------------------------------------------
-    def _spill(self, seq: Sequence) -> None:
-        """The scheduler evicts ``seq``'s blocks: keep the K/V of its computed tokens in the host tier first."""
-        with timed(self.host_tier.counters, "spill_seconds"):
-            kv = self.runner.export_kv(self.block_manager.slots(seq.block_table, 0, seq.num_computed))
-        self.host_tier.put(seq.seq_id, seq.token_ids[:seq.num_computed], kv)
+    # --- the tiers of session KV ----------------------------------------------------------------------------
+    def _move_kv(self, sched: SchedulerOutput) -> None:
+        """Carry out the step's KV-tier moves before the run: the stores of evicted sessions first (their blocks may
+        be reused by this step), then the loads into the blocks admission allocated; a load that fails goes back to
+        the scheduler (the sequence leaves the step and recomputes)."""
+        self._store_kv(sched.kv_stores)
+        for load in sched.kv_loads:
+            if not self._load_stored(load):
+                self.scheduler.load_failed(sched, load.seq, load.tier)
 
-    def _restore(self, seq: Sequence) -> bool:
-        """The scheduler admits ``seq`` without blocks: load the longest prefix of its spilled K/V that its tokens
-        still share into fresh blocks (True), or leave it to the prefix cache and recompute (False)."""
-        got, tier = self.host_tier.take(seq.seq_id), "host"
-        if got is None and seq.disk_kv is not None:  # the disk tier: the session's own saved KV
-            got, tier = load_saved_kv(*seq.disk_kv), "disk"
+    def _store_kv(self, stores: list[KVStore]) -> None:
+        """Keep the K/V of evicted sessions' computed tokens in the host tier."""
+        for st in stores:
+            with timed(self.host_tier.counters, "spill_seconds"):
+                kv = self.runner.export_kv(st.slots)
+            self.host_tier.put(st.seq, st.token_ids, kv)
+
+    def _load_stored(self, load: KVLoad) -> bool:
+        """Load ``load``'s stored K/V (host tier, or the session's saved file) into its slots and offer the full
+        blocks to the prefix cache; False when it is gone, replaced or of another shape."""
+        seq, n, tier = load.seq, load.num_tokens, load.tier
+        got = self.host_tier.take(seq.seq_id) if tier == "host" else load_saved_kv(*seq.disk_kv)
+        if n == 0:  # the stored copy shares nothing with the sequence any more: dropped
+            return True
         if got is None:
             return False
-        ids, kv = got
-        n = common_prefix(ids, seq.token_ids, seq.num_tokens - 1)
-        while n and not self.block_manager.can_allocate(seq.block_table, n):  # as admission would: idle ones go
-            victim = next((s for s in self.scheduler.idle.values() if s.block_table and s is not seq), None)
-            if victim is None:
-                break
-            self.scheduler.evict(victim)
-        if n == 0 or not self.block_manager.can_allocate(seq.block_table, n):
-            if n and tier == "host":
-                self.host_tier.put(seq.seq_id, ids, kv, count=False)  # no room now: maybe at the next admission
-            return False
         with timed(self.host_tier.counters, f"{tier}_restore_seconds"):
-            if self._load_kv(seq, prefix_kv(kv, n), n) is not None:
+            try:  # validates every tensor before writing any
+                self.runner.import_kv(prefix_kv(got[1], n), load.slots)
+            except ValueError as e:
+                if isinstance(e, EngineDead):
+                    raise
                 return False
+        self.block_manager.register_full_blocks(seq.token_ids, seq.block_table, n)
         self.host_tier.counters[f"{tier}_hits"] += 1
         return True
 
@@ -381,7 +423,9 @@ class EngineCore:
         """Free the KV blocks of ``seq`` if it is an idle session (its tokens stay, recomputed on its next turn);
         returns whether it was idle."""
         with self.lock:
-            return self.scheduler.evict_if_idle(seq)
+            idle = self.scheduler.evict_if_idle(seq)
+            self._store_kv(self.scheduler.take_kv_stores())
+            return idle
 
     @property
     def num_waiting(self) -> int:
@@ -463,8 +507,7 @@ class EngineCore:
         KV figures are then rank 0's, each rank holding its KV heads); the session KV tiers' ``host_tier_*`` figures
         (:meth:`turbo.core.kv_tier.HostTier.stats`: sessions and bytes in host memory, spills, host and disk hits,
         dropped, restore and spill seconds)."""
-        c = dict(self.counters)
-        c["generation_tokens_per_s"] = c["generated_tokens"] / c["busy_seconds"] if c["busy_seconds"] else 0.0
+        c = self.counters.as_dict()
         bm, sch = self.block_manager, self.scheduler
         return dict(c, running=len(sch.running), waiting=len(sch.waiting), idle_sessions=len(sch.idle),
                     cache_hit_tokens=bm.hit_tokens, blocks_total=bm.num_blocks, blocks_free=bm.num_free,

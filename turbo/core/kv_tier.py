@@ -2,10 +2,11 @@
 so its next turn copies the history back instead of recomputing it.
 
 When the scheduler evicts a session's blocks (the pool needs room, :meth:`~turbo.core.scheduler.Scheduler.evict`),
-the engine exports the K/V of its computed tokens in the cache's stored form (16-bit values, or int8/int4 codes with
-their scales, on the CPU: see :meth:`backends.kv_cache.PagedKVCache.export`) into a :class:`HostTier`; when the
-session is admitted again, the engine takes it back (:meth:`HostTier.take`) and loads the longest prefix its next
-prompt shares into fresh blocks. Least recently spilled sessions leave the tier first when the budget is exceeded
+its output carries a ``KVStore``: the engine exports the K/V of the computed tokens in the cache's stored form (16-bit
+values, or int8/int4 codes with their scales, on the CPU: see :meth:`backends.kv_cache.PagedKVCache.export`) into a
+:class:`HostTier` before the step writes the pool. When the session is admitted again, the scheduler allocates blocks
+for the longest prefix its next prompt shares (``Sequence.host_kv``) and its output carries a ``KVLoad``: the engine
+takes the copy back (:meth:`HostTier.take`) and loads it before the run. Least recently spilled sessions leave the tier first when the budget is exceeded
 (their next turn recomputes, counted as ``dropped``). The disk tier is a session's own saved KV (``Session.save`` with
 ``include_kv``; the server's ``--session-dir`` saves after every turn): a session found in neither recomputes. Source
 of the idea: LMCache / SGLang HiCache (host offload of
@@ -24,6 +25,7 @@ import torch
 
 @dataclass
 class _Entry:
+    seq: object  # the Sequence whose host_kv names this entry (cleared when the entry leaves)
     token_ids: list[int]
     kv: dict[str, torch.Tensor]
     nbytes: int
@@ -44,11 +46,11 @@ class HostTier:
                                                     "host_restore_seconds": 0.0, "disk_restore_seconds": 0.0,
                                                     "spill_seconds": 0.0})
 
-    def put(self, seq_id: int, token_ids: list[int], kv: dict[str, torch.Tensor], count: bool = True) -> None:
-        """Keep ``kv`` (the stored K/V of ``token_ids``, per tensor ``[tokens, ...]``) for ``seq_id``, pushing out the
-        least recently spilled sessions past the budget; one larger than the whole budget is not kept. ``count``:
-        a new spill (``False``: an entry put back unused)."""
-        self.drop(seq_id)
+    def put(self, seq, token_ids: list[int], kv: dict[str, torch.Tensor]) -> None:
+        """Keep ``kv`` (the stored K/V of ``token_ids``, per tensor ``[tokens, ...]``) for the sequence ``seq`` and
+        set its ``host_kv`` (what the scheduler reads to plan the load back), pushing out the least recently spilled
+        sessions past the budget (their ``host_kv`` cleared); one larger than the whole budget is not kept."""
+        self.drop(seq.seq_id)
         size = sum(t.numel() * t.element_size() for t in kv.values())
         if size > self.budget_bytes:
             self.counters["dropped"] += 1
@@ -56,10 +58,12 @@ class HostTier:
         while self.entries and self.nbytes + size > self.budget_bytes:
             _, old = self.entries.popitem(last=False)
             self.nbytes -= old.nbytes
+            old.seq.host_kv = None
             self.counters["dropped"] += 1
-        self.entries[seq_id] = _Entry(list(token_ids), kv, size)
+        seq.host_kv = list(token_ids)
+        self.entries[seq.seq_id] = _Entry(seq, seq.host_kv, kv, size)
         self.nbytes += size
-        self.counters["spills"] += count
+        self.counters["spills"] += 1
 
     def take(self, seq_id: int) -> tuple[list[int], dict[str, torch.Tensor]] | None:
         """The spilled ``(token ids, kv)`` of ``seq_id``, removed from the tier; ``None`` when it holds none."""
@@ -67,6 +71,7 @@ class HostTier:
         if e is None:
             return None
         self.nbytes -= e.nbytes
+        e.seq.host_kv = None
         return e.token_ids, e.kv
 
     def drop(self, seq_id: int) -> None:
@@ -74,6 +79,7 @@ class HostTier:
         e = self.entries.pop(seq_id, None)
         if e is not None:
             self.nbytes -= e.nbytes
+            e.seq.host_kv = None
 
     def stats(self) -> dict:
         """``host_tier_sessions``, ``host_tier_bytes``, ``host_tier_budget_bytes`` and the counters, prefixed."""
@@ -105,14 +111,6 @@ def load_saved_kv(path: str, token_ids: list[int], stamp: tuple) -> tuple[list[i
 def prefix_kv(kv: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
     """The stored K/V of the first ``n`` tokens (every tensor is ``[tokens, ...]``)."""
     return {k: t[:n] for k, t in kv.items()}
-
-
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """How many leading ids ``a`` and ``b`` share, at most ``limit``."""
-    n, limit = 0, min(limit, len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
-"""Step data: what the scheduler hands the model runner (:class:`StepInput`), the engine-side state of one request
-(:class:`Request`: its sequence, sampling options, detokenizer and stop-string matcher, the text released so far) and
-the result of a finished one (:class:`GenerationOutput`). Plain dataclasses; :meth:`Request.append_token` holds the
-rules that end a request (stop ids, stop strings, the token limit, the context).
+"""Step data: what the scheduler hands the model runner (:class:`StepInput`), what a computed and sampled step hands
+back to the scheduler (:class:`StepOutput`), the engine-side state of one request (:class:`Request`: its sequence,
+sampling options, detokenizer and stop-string matcher, the text released so far) and the result of a finished one
+(:class:`GenerationOutput`). Plain dataclasses; :meth:`Request.append_token` holds the rules that end a request (stop
+ids, stop strings, the token limit, the context).
 """
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ class StepInput:
     context_lens: list[int]
     block_tables: list[list[int]]
     logits_rows: list[int]
+
+
+@dataclass
+class StepOutput:
+    """What one step produced, by row of its :class:`~turbo.core.scheduler.SchedulerOutput` (the step → scheduler
+    contract, read by :meth:`~turbo.core.scheduler.Scheduler.update_from_output`).
+
+    ``new_token_ids[row]``: the tokens the row's sequence gets, in order: its accepted draft tokens, then the model's
+    next token (cut after a token that ends the request). Rows absent computed a prompt chunk, or failed
+    (``errors[row]``: the exception that ends the row's request). ``num_accepted[row]``: how many of its drafts the
+    model agreed with (their K/V was computed in the step; rejected drafts' is dropped). ``logprobs[row]``: the top
+    log-probabilities of its sampled token when the request asks for them.
+    """
+
+    new_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    num_accepted: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    errors: dict[int, BaseException] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,16 +122,16 @@ class Request:
         return out
 
     def append_token(self, tok: int, logprobs: list[tuple[int, float]] | None, session_len: int) -> str | None:
-        """Append the sampled ``tok`` (and its top log-probabilities) and release its text; returns the finish
-        reason when the request stops here (``stop``: a stop id, a stop string, or a constraint that is complete and
-        takes no more tokens; ``length``: max_new_tokens or ``session_len`` tokens in the sequence), else ``None``.
-        Raises ``InvalidRequest`` when the request's constraint refuses ``tok``."""
+        """Append the sampled ``tok`` (and its top log-probabilities) to the output and release its text; returns the
+        finish reason when the request stops here (``stop``: a stop id, a stop string, or a constraint that is
+        complete and takes no more tokens; ``length``: max_new_tokens or ``session_len`` tokens in the sequence),
+        else ``None``. The sequence gets the token from the scheduler (``update_from_output``). Raises
+        ``InvalidRequest`` when the request's constraint refuses ``tok``."""
         if logprobs is not None:
             self.logprobs.append(logprobs)
         if self.t_first is None:
             self.t_first = time.perf_counter()
         self.output_ids.append(tok)
-        self.seq.token_ids.append(tok)
         if self.guide is not None:
             self.guide.consume(tok)
         if tok in self.stop_ids:
@@ -120,7 +139,7 @@ class Request:
         self.release(self.stopper.feed(self.detok.add(tok)))
         if self.stopper.stopped or (self.guide is not None and self.guide.stopped):
             return "stop"
-        if len(self.output_ids) >= self.gen.max_new_tokens or self.seq.num_tokens >= session_len:
+        if len(self.output_ids) >= self.gen.max_new_tokens or self.prompt_len + len(self.output_ids) >= session_len:
             return "length"
         return None
 
@@ -143,18 +162,19 @@ class Request:
                                 logprobs=list(self.logprobs))
 
 
-def step_input(seqs, num_new_tokens, block_manager) -> StepInput:
-    """The :class:`StepInput` of a scheduled step: for each sequence its next ``n`` tokens, their positions and KV
-    slots (from its block table), its context length and the row of its last token (whose logits are sampled); a
-    sequence with ``num_drafts`` speculative tokens gets the rows of its last ``num_drafts + 1`` tokens."""
+def step_input(sched, block_manager) -> StepInput:
+    """The :class:`StepInput` of a :class:`~turbo.core.scheduler.SchedulerOutput`: for each sequence its next ``n``
+    tokens (its draft tokens after its history), their positions and KV slots (from its block table), its context
+    length and the row of its last token (whose logits are sampled); a row with ``k`` drafts gets the logits rows
+    of its last ``k + 1`` tokens."""
     ids, pos, slots, qs, ctx, tables, rows = [], [], [], [0], [], [], []
-    for seq, n in zip(seqs, num_new_tokens):
+    for seq, n, drafts in zip(sched.seqs, sched.num_new_tokens, sched.drafts):
         s, e = seq.num_computed, seq.num_computed + n
-        ids += seq.token_ids[s:e]
+        ids += (seq.token_ids + drafts)[s:e] if drafts else seq.token_ids[s:e]
         pos += range(s, e)
         slots += block_manager.slots(seq.block_table, s, e)
         qs.append(qs[-1] + n)
         ctx.append(e)
         tables.append(seq.block_table)
-        rows.extend(range(qs[-1] - 1 - seq.num_drafts, qs[-1]))
+        rows.extend(range(qs[-1] - 1 - len(drafts), qs[-1]))
     return StepInput(ids, pos, slots, qs, ctx, tables, rows)

@@ -12,8 +12,17 @@ Prefill, chunked prefill and decode are one thing: bring ``num_computed`` up to 
    admitted sequence first takes the cached blocks of its longest cached prefix. A sequence whose prompt another
    one is computing (``Sequence.after``: the engine sets it for identical prompts, e.g. the ``n`` choices of one
    request) waits until that prompt is computed, then takes its blocks from the prefix cache.
-3. After the runner computed the step, :meth:`Scheduler.update_from_output` advances the computed tokens, offers
-   full blocks to the prefix cache and says which sequences get a sampled token.
+3. After the runner computed the step and the engine sampled it, :meth:`Scheduler.update_from_output` applies the
+   :class:`~turbo.core.request.StepOutput`: it advances the computed tokens, appends each row's new tokens, rolls back
+   rejected speculative drafts (their blocks are freed) and offers full blocks to the prefix cache.
+
+Data in, data out: the scheduler calls nothing back. What the engine must carry out between ``schedule()`` and the
+run is in the :class:`SchedulerOutput`: the speculative drafts each row verifies (proposed by the engine as
+``Sequence.draft_ids``, scheduled when the budget and free blocks allow them without pushing anything out), the KV
+to store in the host tier before the blocks it lies in are reused (:class:`KVStore`, one per evicted session when
+``spill_kv``), and the KV to load back into blocks allocated at admission (:class:`KVLoad`, from the host tier or
+the session's saved file when ``restore_kv``). A load that fails is handed back with :meth:`Scheduler.load_failed`,
+which takes the sequence out of the step (it is recomputed from the next step on).
 """
 from __future__ import annotations
 
@@ -53,7 +62,10 @@ class Sequence:
     after: "Sequence | None" = field(default=None, compare=False, repr=False)
     # where a saved copy of this session's KV lies: (kv.safetensors, the token ids it holds), the disk tier
     disk_kv: tuple | None = field(default=None, compare=False, repr=False)
-    num_drafts: int = 0  # speculative draft tokens at the end of token_ids, not verified yet (turbo/core/speculative.py)
+    # the K/V of these leading tokens lies in the engine's host tier (set when it was stored there, None when gone)
+    host_kv: list[int] | None = field(default=None, compare=False, repr=False)
+    # speculative draft tokens proposed for the next step (turbo/core/speculative.py); never part of token_ids
+    draft_ids: list[int] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def held(self) -> bool:
@@ -76,12 +88,44 @@ class Sequence:
 
 
 @dataclass
-class ScheduledStep:
-    """The scheduler's output for one step: sequences and how many new tokens each computes."""
+class KVStore:
+    """Before anything writes the pool: copy the K/V of ``token_ids`` (lying in ``slots``) of an evicted session
+    ``seq`` to the host tier (its blocks are already free in the block manager)."""
+
+    seq: Sequence
+    token_ids: list[int]
+    slots: list[int]
+
+
+@dataclass
+class KVLoad:
+    """Before the run: load the first ``num_tokens`` tokens of ``seq``'s stored K/V from ``tier`` (``"host"`` or
+    ``"disk"``) into ``slots`` (blocks allocated at admission; ``seq.num_computed`` already counts them).
+    ``num_tokens`` 0: the stored K/V shares nothing with the sequence any more; the engine drops it."""
+
+    seq: Sequence
+    tier: str
+    num_tokens: int
+    slots: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """The scheduler's output for one step: sequences and how many new tokens each computes (its draft tokens
+    included), the drafts per row, which rows get sampled tokens, and the KV moves to carry out first."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     preempted: list[Sequence]
+    drafts: list[list[int]] = field(default_factory=list)  # per row: draft tokens after its last real token
+    sampled: list[bool] = field(default_factory=list)  # per row: its real tokens are all computed after the step
+    kv_stores: list[KVStore] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.seqs)
+        self.drafts = self.drafts or [[] for _ in range(n)]
+        self.sampled = self.sampled or [s.num_computed + k >= s.num_tokens for s, k in zip(self.seqs, self.num_new_tokens)]
 
     @property
     def total_tokens(self) -> int:
@@ -92,19 +136,22 @@ class ScheduledStep:
 class Scheduler:
     """Waiting queue, running batch and idle sessions over one :class:`BlockManager`."""
 
-    def __init__(self, block_manager: BlockManager, max_batch_size: int = 64, max_num_batched_tokens: int = 2048) -> None:
+    def __init__(self, block_manager: BlockManager, max_batch_size: int = 64, max_num_batched_tokens: int = 2048,
+                 spill_kv: bool = False, restore_kv: bool = False) -> None:
+        """``spill_kv``: an evicted session's computed K/V is stored first (a :class:`KVStore` in the next output);
+        ``restore_kv``: a sequence admitted without blocks loads its stored K/V back (``Sequence.host_kv``, then
+        ``Sequence.disk_kv``) when its tokens still share a prefix with it and the blocks are free."""
         if max_batch_size < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_batch_size and max_num_batched_tokens must be positive")
         self.bm = block_manager
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.spill_kv, self.restore_kv = spill_kv, restore_kv
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.idle: OrderedDict[int, Sequence] = OrderedDict()  # LRU: oldest first
-        # the engine's KV host tier (turbo/core/kv_tier.py): on_evict(seq) before a session's blocks are freed,
-        # on_admit(seq) -> bool when a sequence without blocks is admitted (True: it loaded its KV back)
-        self.on_evict = None
-        self.on_admit = None
+        self.kv_stores: list[KVStore] = []  # evictions' stores not handed out yet (see take_kv_stores)
+        self._loads: dict[int, KVLoad] = {}  # loads planned by the schedule() under way, by sequence id
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -129,12 +176,19 @@ class Scheduler:
             self.idle.pop(seq.seq_id, None)
 
     def evict(self, seq: Sequence) -> None:
-        """Free an idle session's KV blocks; its tokens stay and are recomputed on its next turn (or, with a host
-        tier, ``on_evict`` keeps their KV first and ``on_admit`` loads it back)."""
-        if self.on_evict is not None and seq.num_computed > 0:
-            self.on_evict(seq)
+        """Free an idle session's KV blocks; its tokens stay and are recomputed on its next turn (or, with
+        ``spill_kv``, a :class:`KVStore` asks the engine to keep their K/V first, and admission loads it back)."""
+        load = self._loads.pop(seq.seq_id, None)  # planned this step, not carried out: nothing to store
+        if self.spill_kv and seq.num_computed > 0 and load is None:
+            slots = self.bm.slots(seq.block_table, 0, seq.num_computed)
+            self.kv_stores.append(KVStore(seq, seq.token_ids[:seq.num_computed], slots))
         self.bm.free(seq.block_table)
         seq.num_computed = 0
+
+    def take_kv_stores(self) -> list[KVStore]:
+        """The stores of the evictions since the last call (or step), to carry out before the pool is written."""
+        out, self.kv_stores = self.kv_stores, []
+        return out
 
     def has_work(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -173,11 +227,12 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> ScheduledStep:
-        """Pick this step's sequences and token counts (blocks are allocated for them)."""
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences and token counts (blocks are allocated for them, drafts included)."""
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
+        drafts: list[list[int]] = []
         preempted_before = sum(s.num_preemptions for s in self.waiting + self.running)
         self.running.sort(key=lambda s: s.sort_key)
         for seq in list(self.running):
@@ -191,53 +246,131 @@ class Scheduler:
             if not self._make_room(seq, seq.num_computed + n, {s.seq_id for s in seqs}):
                 self.preempt(seq)
                 continue
-            self.bm.ensure_capacity(seq.block_table, seq.num_computed + n)
+            d = self._fit_drafts(seq, n, budget - n)
+            self.bm.ensure_capacity(seq.block_table, seq.num_computed + n + len(d))
             seqs.append(seq)
-            counts.append(n)
-            budget -= n
+            counts.append(n + len(d))
+            drafts.append(d)
+            budget -= n + len(d)
         preempted = [s for s in self.waiting if s.status == Status.WAITING and s.num_preemptions and s.num_computed == 0]
         did_preempt = sum(s.num_preemptions for s in self.waiting + self.running) > preempted_before
         if not did_preempt:
-            self.waiting.sort(key=lambda s: s.sort_key)
-            while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-                seq = next((s for s in self.waiting if not s.held), None)
-                if seq is None:
-                    break
-                if not seq.block_table and not (self.on_admit is not None and self.on_admit(seq)):
-                    seq.num_computed = self.bm.match_prefix(seq.token_ids, seq.block_table)
-                n = min(seq.num_tokens - seq.num_computed, budget)
-                if not self.bm.can_allocate(seq.block_table, seq.num_computed + n):
-                    # only idle caches may be given up for a new request; never running work
-                    victim = next((s for s in self.idle.values() if s.block_table), None)
-                    if victim is None and not self.running and not seqs:
-                        # nothing runs that could ever free blocks: other waiting session turns give up
-                        # their cached history (recomputed when admitted) rather than deadlock
-                        victim = self._waiting_with_blocks(exclude=seq)
-                    if victim is None:
-                        break
-                    self.evict(victim)
-                    continue
-                self.bm.ensure_capacity(seq.block_table, seq.num_computed + n)
-                self.waiting.remove(seq)
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                seqs.append(seq)
-                counts.append(n)
-                budget -= n
-        return ScheduledStep(seqs, counts, preempted)
+            budget = self._admit(budget, seqs, counts)
+        for seq in self.running + self.waiting:
+            seq.draft_ids = []  # proposals are per step
+        drafts += [[] for _ in range(len(seqs) - len(drafts))]
+        sampled = [s.num_computed + k - len(d) >= s.num_tokens for s, k, d in zip(seqs, counts, drafts)]
+        loads, self._loads = list(self._loads.values()), {}
+        return SchedulerOutput(seqs, counts, preempted, drafts, sampled, self.take_kv_stores(), loads)
 
-    def update_from_output(self, sched: ScheduledStep) -> list[int]:
-        """After the runner computed ``sched``: advance each sequence's computed tokens and offer its full blocks to
-        the prefix cache. Returns the rows (indices into ``sched.seqs``) whose tokens are now all computed: those
-        get a sampled token (the others computed a prompt chunk)."""
-        ready = []
-        for row, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
-            seq.num_computed += n
-            # unverified draft tokens are never offered to the prefix cache
-            self.bm.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed - seq.num_drafts)
-            if seq.num_computed >= seq.num_tokens:
-                ready.append(row)
-        return ready
+    def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """The drafts of ``seq`` this step verifies: when its real tokens all fit (``n``), as many as the budget
+        allows, and only when the pool holds all of them without evicting anything (drafts never push work out)."""
+        d = seq.draft_ids
+        if not d or n != seq.num_tokens - seq.num_computed or budget <= 0:
+            return []
+        if not self.bm.can_allocate(seq.block_table, seq.num_tokens + len(d)):
+            return []
+        return d[:budget]
+
+    def _admit(self, budget: int, seqs: list[Sequence], counts: list[int]) -> int:
+        """Admit waiting sequences in (priority, arrival) order while the batch size, ``budget`` and free blocks
+        allow (appending to ``seqs`` and ``counts``; stored K/V to load back goes to ``_loads``); returns the budget
+        left."""
+        self.waiting.sort(key=lambda s: s.sort_key)
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = next((s for s in self.waiting if not s.held), None)
+            if seq is None:
+                break
+            if not seq.block_table:
+                load = self._plan_load(seq)
+                if load is not None:
+                    self._loads[seq.seq_id] = load
+                if not seq.block_table:
+                    seq.num_computed = self.bm.match_prefix(seq.token_ids, seq.block_table)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.bm.can_allocate(seq.block_table, seq.num_computed + n):
+                # only idle caches may be given up for a new request; never running work
+                victim = next((s for s in self.idle.values() if s.block_table), None)
+                if victim is None and not self.running and not seqs:
+                    # nothing runs that could ever free blocks: other waiting session turns give up
+                    # their cached history (recomputed when admitted) rather than deadlock
+                    victim = self._waiting_with_blocks(exclude=seq)
+                if victim is None:
+                    break
+                self.evict(victim)
+                continue
+            self.bm.ensure_capacity(seq.block_table, seq.num_computed + n)
+            self.waiting.remove(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return budget
+
+    def _plan_load(self, seq: Sequence) -> KVLoad | None:
+        """With ``restore_kv``: blocks for the longest prefix of ``seq``'s stored K/V (host tier first, then its
+        saved file) that its tokens still share, idle sessions evicted for them as admission would; the load the
+        engine carries out, or ``None`` (no stored K/V, or no room: the prefix cache and recompute serve it). The
+        engine clears ``host_kv`` when it takes the host copy."""
+        if not self.restore_kv:
+            return None
+        tier, ids = ("host", seq.host_kv) if seq.host_kv is not None else \
+            ("disk", seq.disk_kv[1] if seq.disk_kv is not None else None)
+        if ids is None:
+            return None
+        n = 0
+        while n < min(len(ids), seq.num_tokens - 1) and ids[n] == seq.token_ids[n]:
+            n += 1
+        while n and not self.bm.can_allocate(seq.block_table, n):
+            victim = next((s for s in self.idle.values() if s.block_table and s is not seq), None)
+            if victim is None:
+                break
+            self.evict(victim)
+        if n == 0:  # it shares nothing: a host copy is dropped
+            return KVLoad(seq, tier, 0, []) if tier == "host" else None
+        if not self.bm.can_allocate(seq.block_table, n):
+            return None
+        self.bm.ensure_capacity(seq.block_table, n)
+        seq.num_computed = n
+        return KVLoad(seq, tier, n, self.bm.slots(seq.block_table, 0, n))
+
+    def load_failed(self, sched: SchedulerOutput, seq: Sequence, tier: str) -> None:
+        """The engine could not load ``seq``'s stored K/V (gone, replaced, another shape): take ``seq`` out of
+        ``sched``, free its blocks, forget that stored K/V and put it first in the queue, to recompute."""
+        if seq in sched.seqs:
+            i = sched.seqs.index(seq)
+            for lst in (sched.seqs, sched.num_new_tokens, sched.drafts, sched.sampled):
+                del lst[i]
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq not in self.waiting:
+            self.waiting.insert(0, seq)
+        self.bm.free(seq.block_table)
+        seq.num_computed, seq.status = 0, Status.WAITING
+        if tier == "host":
+            seq.host_kv = None
+        else:
+            seq.disk_kv = None
+
+    def update_from_output(self, sched: SchedulerOutput, out) -> list[int]:
+        """Apply the :class:`~turbo.core.request.StepOutput` ``out`` of ``sched``: advance each sequence's computed
+        tokens, append the new tokens of the rows that got some (a row's accepted drafts and its next token, as the
+        engine kept them after the stop rules), roll back rejected drafts (their KV is not counted and blocks past
+        the kept tokens are freed), and offer full blocks to the prefix cache. Returns the rows that got tokens."""
+        rows = []
+        for row, (seq, n, d) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.drafts)):
+            seq.num_computed += n - len(d)
+            new = out.new_token_ids.get(row)
+            if new is not None:
+                rows.append(row)
+                seq.token_ids.extend(new)
+                seq.num_computed += min(len(new), out.num_accepted.get(row, 0))  # kept drafts: KV computed
+            if d:
+                seq.num_computed = self.bm.truncate(seq.block_table, seq.num_computed)
+            self.bm.register_full_blocks(seq.token_ids, seq.block_table, seq.num_computed)
+        return rows
 
     def evict_if_idle(self, seq: Sequence) -> bool:
         """Free ``seq``'s blocks if it is an idle session (its tokens stay); returns whether it was."""

@@ -1,6 +1,10 @@
-"""Engine start-up as plain functions: resolve the model and options, refuse before loading what cannot fit, load
-the weights and tokenizer, size the KV pool from what is free after loading, and build the runner, block manager
-and scheduler. :func:`start` returns them as one :class:`EngineParts`.
+"""Engine start-up as plain functions, one path for every rank: :func:`load_rank` resolves the model and options
+(with tensor parallelism, the rank's shard), sizes the threads, refuses before loading what cannot fit, loads the
+weights and KV parameters and counts the KV blocks free memory leaves room for. Rank 0 runs it through :func:`start`,
+which then builds the runner, block manager and scheduler and returns them as one :class:`EngineParts`; with
+``tensor_parallel_size > 1`` rank 0's :func:`load_rank` also spawns the workers
+(:class:`turbo.core.tp.group.WorkerGroup`), each of which runs :func:`load_rank` as its own rank
+(:mod:`turbo.core.tp.worker`).
 
 Memory is counted with :mod:`turbo.core.planner`: weights and a step's workspace are checked against the free memory
 of the device before any weight is read (memory other processes use is not free), then the pool takes what is
@@ -51,7 +55,7 @@ class EngineParts:
 
 
 @dataclass
-class _Fit:
+class Fit:
     """The facts the memory checks read: resolved options and the model's config and weight layout."""
 
     path: Path
@@ -90,7 +94,7 @@ def engine_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
         raise LiteturboError(f"bad Engine option: {e}") from None
 
 
-def kv_spec(fit: _Fit, num_blocks: int) -> KVCacheSpec:
+def kv_spec(fit: Fit, num_blocks: int) -> KVCacheSpec:
     """The KV cache's shape and storage (of this rank's KV heads). Raises ``LiteturboError`` for a bad
     combination."""
     m = rank_config(fit.model_cfg, fit.config.tensor_parallel_size)
@@ -101,7 +105,7 @@ def kv_spec(fit: _Fit, num_blocks: int) -> KVCacheSpec:
         raise LiteturboError(str(e)) from None
 
 
-def resolve(config: EngineConfig, model: str | Path | None, rank: int = 0) -> _Fit:
+def resolve(config: EngineConfig, model: str | Path | None, rank: int = 0) -> Fit:
     """Model folder, platform, backend, compute dtype, lm_head and KV storage, from the options and config.json;
     with tensor parallelism, the shard of ``rank``, refusing (before loading) a split that breaks a head or a
     quantization group, or more ranks than devices."""
@@ -122,7 +126,7 @@ def resolve(config: EngineConfig, model: str | Path | None, rank: int = 0) -> _F
     dtype = config.torch_dtype()
     if platform.kind == "cpu" and dtype == torch.float16:
         warnings.warn("float16 on a CPU is emulated: about 10x slower than bfloat16 here; use dtype='bfloat16' "
-                      "(or 'auto')", stacklevel=4)
+                      "(or 'auto')", stacklevel=5)
     raw_cfg = load_config(path)
     lm_int8 = config.lm_head == "int8" or (
         config.lm_head == "auto" and bool(raw_cfg.get("quantization_config"))
@@ -133,18 +137,18 @@ def resolve(config: EngineConfig, model: str | Path | None, rank: int = 0) -> _F
     if tp > 1:
         check_split(model_cfg, tp, weights.bits, weights.group_size)
         shard = Shard.of(model_cfg, rank, tp)
-    return _Fit(path, config, platform, backend, dtype, model_cfg, weights, lm_int8, config.kv_storage_dtype(),
-                raw_cfg, shard)
+    return Fit(path, config, platform, backend, dtype, model_cfg, weights, lm_int8, config.kv_storage_dtype(),
+               raw_cfg, shard)
 
 
-def rank_free(fit: _Fit) -> int:
+def rank_free(fit: Fit) -> int:
     """Bytes free for this rank now: its device's free memory, or on a CPU the available RAM shared out between
     the tensor-parallel ranks."""
     free = fit.platform.free_memory()
     return free // fit.config.tensor_parallel_size if fit.platform.kind == "cpu" else free
 
 
-def check_fits_before_loading(fit: _Fit, free: int) -> None:
+def check_fits_before_loading(fit: Fit, free: int) -> None:
     """Refuse, before reading any weight, a model whose weights and step workspace exceed ``free`` bytes (memory
     other processes use is not free), naming the shortfall and what would help. Raises ``LiteturboError``."""
     wc, c = fit.weights, fit.config
@@ -178,7 +182,7 @@ def load_tokenizer(path: Path):
                              f"tokenizer_config.json); copy them from it") from None
 
 
-def kv_calibration(fit: _Fit, model_cfg: ModelConfig) -> KVQuantParams | None:
+def kv_calibration(fit: Fit, model_cfg: ModelConfig) -> KVQuantParams | None:
     """Calibrated key parameters of the checkpoint, when the cache is int8/int4 and they are not turned off.
     Raises ``LiteturboError`` for a damaged file or one made for another model shape."""
     if fit.kv_cache_dtype not in ("int8", "int4") or not fit.config.kv_calibration:
@@ -193,7 +197,7 @@ def kv_calibration(fit: _Fit, model_cfg: ModelConfig) -> KVQuantParams | None:
     return params if fit.shard is None else fit.shard.kv_params(params)
 
 
-def fit_hint(fit: _Fit, fitting_tokens: int, session: bool = False) -> str:
+def fit_hint(fit: Fit, fitting_tokens: int, session: bool = False) -> str:
     """The options that would make the KV pool fit, for error messages."""
     cfg = fit.config
     hints = []
@@ -212,7 +216,7 @@ def fit_hint(fit: _Fit, fitting_tokens: int, session: bool = False) -> str:
     return "; ".join(hints) + f" (`liteturbo plan {fit.path}` shows the accounting)"
 
 
-def pool_blocks(fit: _Fit, free: int) -> tuple[int, int]:
+def pool_blocks(fit: Fit, free: int) -> tuple[int, int]:
     """(KV blocks to allocate, workspace bytes set aside), see :func:`turbo.core.planner.size_pool`: ``free −
     workspace`` after the weights are loaded, sized by the one pool option given, or the default, counting the real
     bytes of a block in the chosen KV dtype (scales included). Raises ``LiteturboError`` naming the shortfall and
@@ -251,24 +255,64 @@ def pool_blocks(fit: _Fit, free: int) -> tuple[int, int]:
     return pool.blocks, workspace_bytes
 
 
-def start(config: EngineConfig, model: str | Path | None) -> EngineParts:
-    """Build an engine's parts: resolve, fit-check before loading, load, size the pool, build the runner, block
-    manager and scheduler. Raises ``LiteturboError`` for a bad model, option, or what cannot fit."""
-    fit = resolve(config, model)
-    tp_cpu = fit.shard is not None and fit.platform.kind == "cpu"
-    try:  # size torch's threads to the cores usable here; adapt them during decode on a CPU device
-        # tensor parallelism on a CPU: the N ranks share the cores, 1/N each, fixed (turbo.core.tp.worker alike)
-        threads = apply_threads(max(1, usable_cpus() // config.tensor_parallel_size) if tp_cpu else config.threads)
+@dataclass
+class RankLoad:
+    """One rank's start-up, done (:func:`load_rank`): its resolved options, its shard of the weights loaded, and the
+    KV pool it has room for. Sizes in bytes."""
+
+    fit: Fit
+    model: LlamaModel
+    kv_params: KVQuantParams | None
+    num_blocks: int  # KV blocks this rank has room for; rank 0 with workers: the fewest any rank has room for
+    workspace_bytes: int
+    thread_control: ThreadController
+    tokenizer: object | None = None  # rank 0 only
+    group: WorkerGroup | None = None  # rank 0 of a tensor-parallel engine: the workers, loaded
+
+    def kv_spec(self, num_blocks: int) -> KVCacheSpec:
+        """This rank's KV cache of ``num_blocks`` blocks (:func:`kv_spec`)."""
+        return kv_spec(self.fit, num_blocks)
+
+
+def use_device(device: str) -> None:
+    """Make ``device`` (``cuda:N``, ``npu:N``) the process's current accelerator (a worker's, before it loads)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    elif device.startswith("npu"):
+        torch.npu.set_device(torch.device(device))
+
+
+def rank_threads(fit: Fit, rank: int) -> ThreadController:
+    """Size torch's threads to the cores usable here (adapted during decode on a CPU device). Tensor parallelism on
+    a CPU: the N ranks share the cores, 1/N each, fixed; a worker on an accelerator keeps torch's count. Raises
+    ``LiteturboError`` for a bad ``threads``."""
+    tp, cpu = fit.config.tensor_parallel_size, fit.platform.kind == "cpu"
+    if rank > 0 and not cpu:
+        return ThreadController.inert()
+    try:
+        threads = apply_threads(max(1, usable_cpus() // tp) if tp > 1 and cpu else fit.config.threads)
     except ValueError as e:
         raise LiteturboError(str(e)) from None
-    thread_control = ThreadController(threads.threads, threads.adaptive and fit.platform.kind == "cpu")
+    return ThreadController(threads.threads, threads.adaptive and cpu)
+
+
+def load_rank(config: EngineConfig, model: str | Path | None, rank: int = 0) -> RankLoad:
+    """The start-up of one rank, the same on every rank: resolve (``rank``'s shard with tensor parallelism), size
+    the threads, refuse before loading what cannot fit, load the weights and the KV parameters, and count the KV
+    blocks free memory leaves room for. Rank 0 of a tensor-parallel engine also starts the workers, once it has
+    checked that its shard fits (each runs this function as its rank, see :mod:`turbo.core.tp.worker`, while rank 0
+    loads its own), loads the tokenizer, and takes the fewest blocks any rank has room for. Raises
+    ``LiteturboError`` for a bad model, option, or what cannot fit (a worker's, with its rank)."""
+    if rank > 0:
+        use_device(config.device)
+    fit = resolve(config, model, rank)
+    thread_control = rank_threads(fit, rank)
     check_fits_before_loading(fit, rank_free(fit))
-    # tensor parallelism: the other ranks load their shards meanwhile (turbo.core.tp)
-    group = WorkerGroup(config, fit.path, fit.platform) if fit.shard is not None else None
+    group = WorkerGroup(config, fit.path, fit.platform, load_rank) if rank == 0 and fit.shard is not None else None
     try:
         llama = LlamaModel.from_pretrained(fit.path, fit.backend, fit.dtype, lm_head_int8=fit.lm_int8,
                                            shard=fit.shard)
-        tokenizer = load_tokenizer(fit.path)
+        tokenizer = load_tokenizer(fit.path) if rank == 0 else None
         kv_params = kv_calibration(fit, llama.cfg)
         num_blocks, workspace_bytes = pool_blocks(fit, rank_free(fit))
         if group is not None:
@@ -277,6 +321,15 @@ def start(config: EngineConfig, model: str | Path | None) -> EngineParts:
         if group is not None:
             group.close(graceful=False)
         raise
+    return RankLoad(fit, llama, kv_params, num_blocks, workspace_bytes, thread_control, tokenizer, group)
+
+
+def start(config: EngineConfig, model: str | Path | None) -> EngineParts:
+    """Build an engine's parts: rank 0's :func:`load_rank` (which starts and loads the other ranks with tensor
+    parallelism), then the runner, block manager and scheduler. Raises ``LiteturboError`` for a bad model, option,
+    or what cannot fit."""
+    part = load_rank(config, model)
+    fit, llama, group, num_blocks, kv_params = part.fit, part.model, part.group, part.num_blocks, part.kv_params
     bs = config.block_size
     graphs = fit.platform.kind == "cuda" and not config.enforce_eager and getattr(fit.backend, "graph_safe_decode",
                                                                                    False) and group is None
@@ -302,8 +355,9 @@ def start(config: EngineConfig, model: str | Path | None) -> EngineParts:
         warnings.warn(f"session_len={config.session_len} is capped to {max_ctx} tokens (the model's "
                       f"max_position_embeddings and the KV pool of {num_blocks * bs} tokens)", stacklevel=4)
     eos = set(llama.cfg.eos_token_ids)
+    tokenizer = part.tokenizer
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return EngineParts(fit.path, fit.platform, fit.backend, fit.dtype, llama, tokenizer, fit.kv_cache_dtype,
-                       kv_params, block_manager, scheduler, runner, session_len, eos, workspace_bytes,
-                       thread_control=thread_control)
+                       kv_params, block_manager, scheduler, runner, session_len, eos, part.workspace_bytes,
+                       thread_control=part.thread_control)

@@ -1,4 +1,4 @@
-"""The HTTP server: an OpenAI-compatible API and a stateful sessions API over one :class:`~turbo.engine.Engine`.
+"""The HTTP server: an OpenAI-compatible API and a stateful sessions API over one engine.
 
 ``create_app(engine)`` builds a FastAPI app; ``serve(model, host, port, ...)`` loads the engine and runs it under
 uvicorn (``liteturbo serve``). Endpoints (see docs/serving.md for every field):
@@ -6,32 +6,35 @@ uvicorn (``liteturbo serve``). Endpoints (see docs/serving.md for every field):
 - ``GET /``: a web chat page (``turbo/serve/static/chat.html``) over the sessions API;
 - ``GET /health``; ``GET /metrics`` (Prometheus: :mod:`turbo.serve.metrics`); ``GET /v1/models`` (one model) and
   ``GET /v1/models/{id}``;
-- ``POST /v1/chat/completions`` and ``POST /v1/completions``: streamed as server-sent events in OpenAI's chunk
-  shapes (ending with ``data: [DONE]``) or not; a field the server cannot honour (tools, ``n`` > 1,
-  ``echo``, ...) or does not know is refused with a 400 naming it, never ignored;
+- ``POST /v1/chat/completions`` and ``POST /v1/completions``: ``n`` choices, log-probabilities, structured outputs
+  (``response_format``, vLLM's ``guided_*``) and, for chats, tool calling (``tools`` / ``tool_choice``); streamed as
+  server-sent events in OpenAI's chunk shapes (ending with ``data: [DONE]``) or not; a field the server cannot
+  honour (``audio``, ``echo``, ``best_of`` > 1, several prompts, ...) or does not know is refused with a 400 naming
+  it, never ignored;
 - ``POST /v1/sessions``, ``POST /v1/sessions/{id}/chat``, ``GET`` / ``DELETE /v1/sessions/{id}``: chats whose KV
   cache stays in the engine between turns, so a turn prefills only its new tokens (also reachable as the
   ``session_id`` extension field of ``/v1/chat/completions``); kept by a
-  :class:`~turbo.serve.sessions.SessionRegistry` (ids, idle expiry, caps), in memory, and with a session dir saved
+  :class:`~turbo.engine_proc.sessions.SessionRegistry` (ids, idle expiry, caps), in memory, and with a session dir saved
   after every turn and restored at start.
 
 The routes are module-level functions on two routers (``root`` and ``v1``, whose every route needs an API key when
 the server has keys); each reads what it serves from ``request.app.state.served`` (a :class:`Served`). Reading and
-checking request bodies is :mod:`turbo.serve.protocol`; the response shapes and server-sent events are
-:mod:`turbo.serve.responses`.
+checking request bodies is :mod:`turbo.serve.protocol`; queueing and answering a request's choices is
+:mod:`turbo.serve.answer`; the response shapes and server-sent events are :mod:`turbo.serve.responses`; tool calling
+is :mod:`turbo.serve.tools`.
 
-The routes talk to an engine client (:mod:`turbo.serve.engine_client`): ``liteturbo serve`` runs the engine core in a
-process of its own (:class:`~turbo.serve.mp_client.MPClient`, :mod:`turbo.serve.engine_proc`), so this process's
-event loop only answers HTTP; ``create_app(engine)`` serves an engine of this process through its
-:class:`~turbo.loop.EngineLoop` (:class:`~turbo.serve.engine_client.InprocClient`). Either way the model's forward
+The routes talk to an :class:`~turbo.engine_proc.client.EngineClient`: ``liteturbo serve`` runs the engine core in a
+process of its own (:class:`~turbo.engine_proc.mp_client.MPClient`, :mod:`turbo.engine_proc.process`), so this
+process's event loop only answers HTTP; ``create_app(engine)`` serves an engine of this process through its
+:class:`~turbo.loop.EngineLoop` (:class:`~turbo.engine_proc.inproc.InprocClient`). Either way the model's forward
 never runs on the asyncio event loop; request checks and tokenization run in the thread pool. A client that
 disconnects (streaming or not) cancels its request, which frees its KV blocks at the engine's next turn. When the
 engine process dies, open requests end with 503 naming the cause, ``/health`` answers 503 and the server exits.
 
-Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad request (the message names the field
-and the fix), 401 missing or wrong API key, 404 unknown model / session / route, 409 session busy, 413 body too
-large, 503 over capacity (with ``Retry-After``), 500 engine failure. After a stream has started, an error arrives
-as one ``data: {"error": ...}`` event before ``data: [DONE]``.
+Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` (:class:`~turbo.http_errors.APIError`): 400 bad
+request (the message names the field and the fix), 401 missing or wrong API key, 404 unknown model / session /
+route, 409 session busy, 413 body too large, 503 over capacity (with ``Retry-After``), 500 engine failure. After a
+stream has started, an error arrives as one ``data: {"error": ...}`` event before ``data: [DONE]``.
 """
 from __future__ import annotations
 
@@ -59,15 +62,17 @@ from ..engine import Engine
 from ..core.inputs import encode
 from ..errors import NotFound
 from ..loop import EngineLoop
-from . import protocol, session_requests
-from .engine_client import InprocClient
-from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .protocol import MAX_LOGPROBS, gen_config, is_int, read_json
+from ..engine_proc.client import EngineClient
+from ..engine_proc.inproc import InprocClient
+from ..engine_proc.mp_client import MPClient
+from ..http_errors import APIError
+from . import protocol
 from .answer import respond, submit_choices
 from .logprobs import Logprobs, Tokens
-from .responses import APIError, Job, engine_error, usage
-from .mp_client import MPClient
-from .sessions import SessionRegistry
+from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from .protocol import MAX_LOGPROBS, gen_config, is_int, read_json
+from .responses import Job, engine_error, usage
+from ..engine_proc.sessions import SessionRegistry
 from .tools import ToolParser, ToolRequest, call_grammar, choose_parser, render_prompt
 
 API_KEYS_ENV = "LITETURBO_API_KEYS"
@@ -81,7 +86,7 @@ class Served:
     sessions' server-side metadata (id -> (sampling defaults, creation time); none for sessions the registry
     restored)."""
 
-    client: InprocClient | MPClient
+    client: EngineClient
     model_id: str
     keys: list[bytes]
     max_request_bytes: int
@@ -280,7 +285,7 @@ async def completions(request: Request):
 @v1.post("/sessions", status_code=201)
 async def create_session(request: Request):
     s = served(request)
-    req = session_requests.read_new_session(await read_json(request, s.max_request_bytes, allow_empty=True))
+    req = protocol.read_new_session(await read_json(request, s.max_request_bytes, allow_empty=True))
     s.gen(req.defaults)  # bad defaults fail now, not at the first turn
     # 400 / 409 for a bad or taken client-chosen id, 503 when full
     sid = await run_in_threadpool(s.client.session_create, req.system, req.session_id, req.defaults)
@@ -297,7 +302,7 @@ async def create_session(request: Request):
 async def session_chat(sid: str, request: Request):
     s = served(request)
     stored = await on_session(s, s.client.check_session, sid)  # 404 before reading the body
-    turn = session_requests.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
+    turn = protocol.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
     gen = s.gen(s.defaults(sid, stored)[0], turn.sampling, s.tool_constraint(turn.tools, turn.sampling))
     handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist,
                               turn.tools.openai() if turn.tools else None, turn.tool_call_id, turn.keep_partial)
@@ -358,7 +363,7 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
                sessions: SessionRegistry | None = None, session_dir: bool | None = None,
                tool_call_parser: str | None = None, speculative: int = 0) -> FastAPI:
     """The FastAPI app serving ``engine``: an :class:`Engine` in this process, or an
-    :class:`~turbo.serve.mp_client.MPClient` of an engine process (then ``loop`` and ``sessions`` must be None and
+    :class:`~turbo.engine_proc.mp_client.MPClient` of an engine process (then ``loop`` and ``sessions`` must be None and
     the app closes the client when it shuts down).
 
     loop: the :class:`EngineLoop` that drives the engine (default: the engine's own, :attr:`Engine.loop`, which
@@ -367,7 +372,7 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     pass as ``model`` (default: the checkpoint folder's name). api_keys: Bearer tokens, one of which every ``/v1``
     request must carry (a list, or one comma-separated string); ``None`` reads the environment variable
     ``LITETURBO_API_KEYS``; empty = no authentication. max_request_bytes: larger bodies get 413. sessions: the
-    :class:`~turbo.serve.sessions.SessionRegistry` behind ``/v1/sessions`` (default: ``SessionRegistry(engine)``,
+    :class:`~turbo.engine_proc.sessions.SessionRegistry` behind ``/v1/sessions`` (default: ``SessionRegistry(engine)``,
     with its idle expiry and caps). session_dir: whether sessions are saved after every turn (default: whether
     the registry has a session dir; an MPClient's engine process saves when this is true). tool_call_parser: the
     format tool calls are read in (:data:`turbo.serve.tools.PARSERS`; default: the one the chat template writes,
@@ -414,9 +419,9 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
           **engine_options) -> None:
     """Load ``model`` (name or checkpoint folder) into an :class:`Engine` with ``engine_options``
     (:class:`~turbo.config.EngineConfig` fields) and serve it with uvicorn on ``host:port`` until interrupted.
-    ``engine_process``: run the engine in a process of its own (:mod:`turbo.serve.engine_proc`; default) or in
+    ``engine_process``: run the engine in a process of its own (:mod:`turbo.engine_proc.process`; default) or in
     this one. ``api_keys``: see :func:`create_app` (``None`` reads ``LITETURBO_API_KEYS``). ``session_dir``,
-    ``max_sessions``, ``session_idle_timeout``: the :class:`~turbo.serve.sessions.SessionRegistry` (sessions saved
+    ``max_sessions``, ``session_idle_timeout``: the :class:`~turbo.engine_proc.sessions.SessionRegistry` (sessions saved
     after every turn and restored at start with a session dir). ``tool_call_parser``: see :func:`create_app`.
     Raises ``LiteturboError`` for a bad model or option, and when the engine process died while serving (after the
     server stopped)."""

@@ -1,9 +1,10 @@
 """Prometheus metrics of a served engine (``GET /metrics``), with prometheus-client.
 
-Gauges are read from the engine at scrape time (running and waiting requests, KV blocks in use and in total,
-prefix-cache hit rate, sessions); counters and histograms are fed by the engine loop when a request ends
-(generated and prompt tokens, finished requests by reason, time to first token, inter-token latency). Each
-:class:`ServerMetrics` has its own registry, so several apps in one process do not collide.
+Gauges are read at scrape time from the engine client's ``stats()`` (running and waiting requests, KV blocks in use
+and in total, the host tier of session KV, speculative decoding) and its live sessions; counters and histograms
+(generated and prompt tokens, finished requests by reason, time to first token, inter-token latency) and the
+prefix-cache hit rate are fed when a request ends (:meth:`ServerMetrics.observe` is one of the client's
+``observers``). Each :class:`ServerMetrics` has its own registry, so several apps in one process do not collide.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 
 
 class ServerMetrics:
-    """Metrics of one engine. ``sessions``: a callable returning the number of live sessions."""
+    """Metrics of one engine: ``engine`` answers ``stats()`` (an :class:`~turbo.engine_proc.client.EngineClient`);
+    ``sessions``: a callable returning the number of live sessions."""
 
     def __init__(self, engine, sessions: Callable[[], int] = lambda: 0) -> None:
         self.engine, self._sessions = engine, sessions
@@ -48,7 +50,8 @@ class ServerMetrics:
         self._cached_tokens = 0
 
     def observe(self, out) -> None:
-        """Record a finished request's :class:`~turbo.engine.GenerationOutput` (called by the engine loop)."""
+        """Record a finished request's :class:`~turbo.engine.GenerationOutput` (called by the engine loop's thread, or
+        by an engine process's receiver thread)."""
         n = len(out.token_ids)
         self.generated.inc(n)
         self.prompt.inc(out.prompt_tokens)

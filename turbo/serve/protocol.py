@@ -1,12 +1,12 @@
 """Reading HTTP requests: a JSON body under a size limit, then each endpoint's fields checked one by one.
 
-Every check that fails raises :class:`~turbo.serve.responses.APIError` (400, 404 or 413) whose message names the
+Every check that fails raises :class:`~turbo.http_errors.APIError` (400, 404 or 413) whose message names the
 field and the fix; a field nobody reads is refused by :meth:`Body.done`, never ignored. The sampling fields follow
-:data:`turbo.config.SAMPLING_FIELDS` (the table ``GenerationConfig`` reads too). :func:`read_chat` and
-:func:`read_completion` turn a body into one plain request object (the sessions' own bodies:
-:mod:`turbo.serve.session_requests`);
-:func:`gen_config` layers sampling fields into a :class:`~turbo.config.GenerationConfig`. Nothing here builds an
-app or calls the engine.
+:data:`turbo.config.SAMPLING_FIELDS` (the table ``GenerationConfig`` reads too). Each endpoint's body becomes one
+plain request object: :func:`read_chat` (``POST /v1/chat/completions``), :func:`read_completion`
+(``POST /v1/completions``), :func:`read_new_session` (``POST /v1/sessions``) and :func:`read_turn`
+(``POST /v1/sessions/{id}/chat``). :func:`gen_config` layers sampling fields into a
+:class:`~turbo.config.GenerationConfig`. Nothing here builds an app or calls the engine.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from starlette.requests import Request
 from lite.formats import LiteturboError
 
 from ..config import LIST_KINDS, SAMPLING, SAMPLING_FIELDS, GenerationConfig, SamplingField, bound_text
+from ..http_errors import APIError
+from ..session_ids import session_id_problem
 from . import tools
-from .responses import APIError
 from .structured import read_constraint
 
 MAX_LOGPROBS = SAMPLING["logprobs"].hi  # what the engine's sampler returns at most (20)
@@ -398,6 +399,29 @@ class CompletionRequest:
     n: int = 1
 
 
+@dataclass
+class NewSession:
+    """A checked ``POST /v1/sessions``: the system prompt, the session's sampling defaults (keywords) and the id the
+    client chose (``None``: the server picks one)."""
+
+    system: str | None
+    defaults: dict
+    session_id: str | None = None
+
+
+@dataclass
+class Turn:
+    """A checked ``POST /v1/sessions/{id}/chat``: the user's message, or (``tool_call_id``) a tool's result; the
+    turn's tools (``None``: the session keeps the ones it had)."""
+
+    content: str
+    stream: bool
+    sampling: dict
+    tools: tools.ToolRequest | None = None
+    tool_call_id: str | None = None
+    keep_partial: bool = False  # on_disconnect "keep": a turn stopped early keeps its partial reply
+
+
 def read_on_disconnect(b: Body) -> bool:
     """A session turn's ``on_disconnect``: ``"rollback"`` (the default: a turn whose client goes away leaves the session
     as it was) or ``"keep"`` (the partial reply stays as the assistant's turn); True for keep."""
@@ -441,3 +465,40 @@ def read_completion(data: dict, model_id: str) -> CompletionRequest:
     g = read_sampling(b) | read_constraint(b)
     b.done()
     return CompletionRequest(prompt, stream, include_usage, n_lp, g, n)
+
+
+def read_new_session(data: dict) -> NewSession:
+    """A new session's system prompt, sampling defaults and optional ``id`` (400 naming the field; an ``id`` must
+    have the form of the ids the server makes, ``sess-`` + 24 lowercase hex digits)."""
+    b = Body(data, "a session")
+    system = b.str("system")
+    sid = b.str("id")
+    if sid is not None and (why := session_id_problem(sid)):
+        raise APIError(400, f"'id' {why}", param="id")
+    defaults = read_sampling(b)
+    b.done()
+    return NewSession(system, defaults, sid)
+
+
+def read_turn(data: dict, model_id: str) -> Turn:
+    """A session turn's fields (400 / 404 naming the field)."""
+    b = Body(data, "a session turn")
+    content = b.raw("content")
+    if not isinstance(content, str) or not content.strip():
+        raise APIError(400, "'content' must be a non-empty string: the user's message" if not isinstance(content, str)
+                       or not content else "'content' is only whitespace: send the user's message", param="content")
+    check_model(b, model_id)
+    stream = bool(b.bool("stream"))
+    role = b.raw("role", "user")
+    if role not in ("user", "tool"):
+        raise APIError(400, "'role' must be \"user\" (the default) or \"tool\" (a tool's result, with "
+                            "'tool_call_id')", param="role")
+    call_id = b.str("tool_call_id")
+    if (role == "tool") != bool(call_id):
+        raise APIError(400, "a tool result turn has \"role\": \"tool\" and the 'tool_call_id' it answers; a user "
+                            "turn has neither", param="tool_call_id")
+    g = read_sampling(b) | read_constraint(b)
+    calls = tools.read_tools(b.raw("tools"), b.raw("tool_choice"), b.raw("parallel_tool_calls"))
+    keep = read_on_disconnect(b)
+    b.done()
+    return Turn(content, stream, g, calls, call_id, keep)

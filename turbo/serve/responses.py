@@ -1,7 +1,7 @@
-"""What the HTTP server answers: OpenAI's response and chunk shapes, server-sent events, and the error shape.
+"""What the HTTP server answers: OpenAI's response and chunk shapes, server-sent events, engine errors as HTTP ones.
 
-- :class:`APIError`: an HTTP error answered as ``{"error": {"message", "type", "param", "code"}}``;
-  :func:`engine_error` turns an engine exception into one (typed errors keep their status, others are 500s).
+- :func:`engine_error` turns an engine exception into an :class:`~turbo.http_errors.APIError` (typed errors keep
+  their status, others are 500s); :func:`cancelled_error` is the 503 of a request cancelled by a stopping server.
 - :class:`Job`: one generation to answer (a chat completion, a completion or a session turn) and its options;
   :func:`reply_body` is its JSON answer, :func:`event_stream` its server-sent events (``data: {...}`` chunks in
   OpenAI's shapes, ending with ``data: [DONE]``; an error after the stream began is one ``data: {"error": ...}``
@@ -24,37 +24,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import StreamingResponse
 
 from lite.formats import LiteturboError
 
 from ..engine import GenerationOutput
 from ..errors import OverCapacity, http_status
+from ..http_errors import APIError
 from ..loop import RequestHandle
 from .logprobs import Logprobs, TextOffsets, Tokens, logprob_entries
+from .tools import finish_reason
 
 log = logging.getLogger("liteturbo.server")
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-                500: "internal_error", 503: "overloaded_error"}
-
-
-class APIError(Exception):
-    """An HTTP error answered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "api_error"),
-                          "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def engine_error(e: BaseException) -> APIError:
@@ -115,7 +96,6 @@ class Job:
         """OpenAI's finish reason of a reply that made calls or not (:func:`turbo.serve.tools.finish_reason`)."""
         if not called:
             return reason
-        from .tools import finish_reason  # tools builds on this module's APIError
         return finish_reason(reason, [True], self.tools)
 
     def message(self, out: GenerationOutput) -> tuple[dict, str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .responses import APIError
+from ..http_errors import APIError
 
 _BACKENDS = ("auto", "llguidance", "guidance")
 _SO_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",

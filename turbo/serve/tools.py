@@ -2,7 +2,7 @@
 forces a call, and the finish reason. It follows OpenAI's semantics, and vLLM's where OpenAI says nothing.
 
 - :func:`read_tools` checks ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` into a :class:`ToolRequest`
-  (every error an :class:`~turbo.serve.responses.APIError` 400 naming the field and the fix).
+  (every error an :class:`~turbo.http_errors.APIError` 400 naming the field and the fix).
 - :func:`read_tool_message` and :func:`link_tool_messages` read assistant messages with ``tool_calls`` and ``tool``
   messages into the dicts chat templates take (Hugging Face's convention; ``arguments`` as a dict);
   :func:`~turbo.serve.protocol.read_messages` calls them.
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from .. import chat_render
 from ..chat_render import template_handles_tools, template_text  # noqa: F401 - this module's API too
-from .responses import APIError
+from ..http_errors import APIError
 from .tool_parsers import PARSERS, ToolCall, ToolParser
 
 __all__ = ["Tool", "ToolRequest", "read_tools", "read_tool_message", "link_tool_messages", "render_prompt",
@@ -170,7 +170,7 @@ def read_tools(body_tools: Any, tool_choice: Any = None, parallel_tool_calls: An
     """The checked ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request (``None`` for a field
     not given); ``None`` when there are no tools (absent or ``[]``). ``tool_choice`` defaults to "auto" with
     tools; without tools only "none" is accepted (as vLLM does; OpenAI refuses it too). Raises
-    :class:`~turbo.serve.responses.APIError` (400) naming the field: tools that are not a list of function tools,
+    :class:`~turbo.http_errors.APIError` (400) naming the field: tools that are not a list of function tools,
     a bad or repeated name, ``parameters`` that are not an object schema llguidance compiles, an unknown choice or
     one naming a function not in ``tools``, a ``parallel_tool_calls`` that is not a boolean."""
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
@@ -221,7 +221,7 @@ def read_tool_message(m: dict, where: str, content_of: Callable[[Any, str], str]
     ``{"role": "tool", "content": str, "tool_call_id": str}`` or ``{"role": "assistant", "content": str (""
     when null or absent), "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": dict}}]}``
     (``tool_calls`` ``[]`` or null gives a plain assistant message). ``content_of(content, where)`` reads a content
-    field (a string or text parts). Raises :class:`~turbo.serve.responses.APIError` (400) naming the message."""
+    field (a string or text parts). Raises :class:`~turbo.http_errors.APIError` (400) naming the message."""
     if m.get("role") == "tool":
         extra = sorted(set(m) - {"role", "content", "tool_call_id", "name"})
         if extra:

@@ -2,12 +2,13 @@
 runner that runs a step on every rank, and what happens when a rank dies.
 
 :class:`WorkerGroup` spawns ranks 1..N-1 with ``torch.multiprocessing`` (spawn; :mod:`turbo.core.tp.worker` is
-their main) and talks to each over its own ``multiprocessing`` pipe: the start-up handshake, then each step's plain
-:class:`~turbo.core.request.StepInput` (pickled, a few hundred bytes), KV export/import for sessions, and exit. The
-tensors move through one ``torch.distributed`` process group (the platform's ``dist_backend``: gloo on CPUs, nccl on
-CUDA/ROCm, hccl on Ascend), inside the model's forward (:mod:`turbo.core.tp.shard`). A worker waits on its pipe
-between steps, so no collective waits through idle time; a worker whose rank 0 is gone reads end-of-file there and
-exits (no orphans, even when rank 0 is killed).
+their main, and each starts up through the same function as rank 0, :func:`turbo.core.startup.load_rank`, which rank
+0 hands it) and talks to each over its own ``multiprocessing`` pipe, in the messages of :mod:`turbo.core.tp.wire`:
+the start-up handshake, then each step's plain :class:`~turbo.core.request.StepInput` (pickled, a few hundred
+bytes), KV export/import for sessions, and exit. The tensors move through one ``torch.distributed`` process group
+(the platform's ``dist_backend``: gloo on CPUs, nccl on CUDA/ROCm, hccl on Ascend), inside the model's forward
+(:mod:`turbo.core.tp.shard`). A worker waits on its pipe between steps, so no collective waits through idle time; a
+worker whose rank 0 is gone reads end-of-file there and exits (no orphans, even when rank 0 is killed).
 
 Faults: a monitor thread waits on the workers' process sentinels; when one exits unasked the group is marked dead
 (:attr:`WorkerGroup.dead` names the rank, pid and exit code or signal) and, on accelerators, the process group is
@@ -18,8 +19,6 @@ back into step), and the surviving workers are stopped.
 """
 from __future__ import annotations
 
-import datetime
-import io
 import signal
 import threading
 import time
@@ -34,21 +33,10 @@ from lite.formats import LiteturboError
 
 from ...errors import EngineDead
 from ..runner import ModelRunner
+from .wire import join_group, pack, rendezvous, unpack
+from .worker import worker_main
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # a collective waits for the slowest rank, never for idle time
 DEATH_GRACE_S = 2.0  # after a failed collective: how long to wait for the dead worker's exit to be seen
-
-
-def pack(tensors: dict[str, torch.Tensor]) -> bytes:
-    """Bytes of a dict of CPU tensors for a pipe (``torch.save``; read back by :func:`unpack`)."""
-    buf = io.BytesIO()
-    torch.save(tensors, buf)
-    return buf.getvalue()
-
-
-def unpack(data: bytes) -> dict[str, torch.Tensor]:
-    """The dict of tensors :func:`pack` wrote (``weights_only``: tensors and plain containers only)."""
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _death(rank: int, proc) -> str:
@@ -107,12 +95,12 @@ def _monitor(ref, procs) -> None:
 
 class WorkerGroup:
     """Ranks 1..N-1 of a tensor-parallel engine (``config.tensor_parallel_size`` = N), started loading
-    ``path`` at construction; :meth:`gather_blocks` then :meth:`connect` finish the start-up. Raises
-    ``LiteturboError`` when a worker fails to start or to load (its message, with its rank)."""
+    ``path`` at construction: each worker runs ``load(config on its device, path, rank)`` (rank 0's start-up path,
+    :func:`turbo.core.startup.load_rank`, handed over so that every rank starts up the same way);
+    :meth:`gather_blocks` then :meth:`connect` finish the start-up. Raises ``LiteturboError`` when a worker fails to
+    start or to load (its message, with its rank)."""
 
-    def __init__(self, config, path, platform) -> None:
-        from .worker import worker_main
-
+    def __init__(self, config, path, platform, load) -> None:
         if dist.is_initialized():
             raise LiteturboError("this process already runs a tensor-parallel engine (torch.distributed's default "
                                  "process group is taken); close it first (engine.close())")
@@ -121,15 +109,15 @@ class WorkerGroup:
         self.dead: str | None = None
         self.closing = False
         self.connected = False
-        self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
-                                    timeout=COLLECTIVE_TIMEOUT)
+        self._store = rendezvous(self.size)
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         for rank in range(1, self.size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"liteturbo-tp-rank{rank}", daemon=True,
-                               args=(rank, config, str(path), platform.rank_device(rank), self._store.port, child))
+                               args=(rank, config, str(path), platform.rank_device(rank), self._store.port, child,
+                                     load))
             proc.start()
             child.close()  # rank 0 keeps only its end: the worker reads end-of-file when rank 0 is gone
             self.procs.append(proc)
@@ -146,8 +134,7 @@ class WorkerGroup:
         worker has allocated its KV cache; ``backend`` (rank 0's) then runs the collectives."""
         for conn in self.conns:
             conn.send(("start", num_blocks))
-        dist.init_process_group(self.dist_backend, store=self._store, rank=0, world_size=self.size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        join_group(self.dist_backend, self._store, 0, self.size)
         self.connected = True
         backend.tp_group = dist.group.WORLD
         for i in range(len(self.procs)):

@@ -1,7 +1,7 @@
-"""Sessions by id for the HTTP server: :class:`SessionRegistry` creates, finds, expires, evicts the KV of and
-persists the :class:`~turbo.session.Session` objects the sessions API addresses by id; :func:`new_session_id` and
-:func:`session_id_problem` are the id rules (``sess-`` + 24 lowercase hex digits), shared with the request reader
-and the router (:mod:`turbo.serve.router`).
+"""Sessions by id, held where the engine runs (the engine process, or the server's own process without one):
+:class:`SessionRegistry` creates, finds, expires, evicts the KV of and
+persists the :class:`~turbo.session.Session` objects the sessions API addresses by id (the id rules, ``sess-`` + 24
+lowercase hex digits, are :mod:`turbo.session_ids`, shared with the request reader and the router).
 
 With a session dir shared by several servers (replicas behind ``liteturbo route``), a registry loads a session it
 does not hold from the dir on first use, reloads one the dir holds in a state it did not write or read itself (another
@@ -12,8 +12,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import re
-import secrets
 import shutil
 import threading
 import time
@@ -24,24 +22,7 @@ from lite.formats import LiteturboError, make_dirs
 
 from ..errors import Conflict, InvalidRequest, NotFound, OverCapacity
 from ..session import Session
-
-SESSION_ID_PREFIX = "sess-"
-_SESSION_ID = re.compile(r"sess-[0-9a-f]{24}")
-
-
-def new_session_id() -> str:
-    """A fresh random session id: ``sess-`` + 24 lowercase hex digits (96 random bits)."""
-    return SESSION_ID_PREFIX + secrets.token_hex(12)
-
-
-def session_id_problem(sid) -> str | None:
-    """``None`` when ``sid`` is a well-formed session id (:func:`new_session_id`'s form), else what is wrong, as the
-    end of a sentence naming the field."""
-    if isinstance(sid, str) and _SESSION_ID.fullmatch(sid):
-        return None
-    shown = repr(sid) if len(repr(sid)) <= 60 else repr(sid)[:57] + "..."
-    return (f"must be 'sess-' followed by 24 lowercase hex digits (like {new_session_id()!r}), got {shown}; "
-            f"leave it out to get a new id")
+from ..session_ids import new_session_id, session_id_problem
 
 
 class SessionRegistry:

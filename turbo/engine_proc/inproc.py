@@ -1,61 +1,19 @@
-"""What the HTTP routes talk to: an engine client, in this process (:class:`InprocClient`) or in an engine process
-(:class:`~turbo.serve.mp_client.MPClient`), both with the same methods.
-
-A client submits generations (``submit``: a prompt; ``submit_chat``: a session's next turn) and returns
-:class:`~turbo.loop.RequestHandle`-like handles (iterate them for text pieces; ``output`` is the
-:class:`~turbo.core.request.GenerationOutput` afterwards; ``request.output_ids`` / ``request.logprobs`` /
-``request.stop_ids`` hold what logprobs answers need; ``cancel()``); it creates, describes and deletes sessions by
-id; it answers ``stats()`` for the metrics and ``running`` / ``dead`` for ``/health``; it tokenizes chat
-conversations (``chat_template_ids``) with the model's tokenizer.
-
-Also here, shared by both sides of the engine process: :func:`session_facts` (what ``GET /v1/sessions/{id}``
-shows) and the wire form of errors (:func:`error_to_wire`, :func:`error_from_wire`), which keeps their type, so
-a 400 / 404 / 409 / 503 raised in the engine process is answered the same as in one process.
+"""The engine in this process as an :class:`~turbo.engine_proc.client.EngineClient`: :class:`InprocClient` drives an
+:class:`~turbo.engine.Engine` with an :class:`~turbo.loop.EngineLoop` and keeps its sessions in a
+:class:`~turbo.engine_proc.sessions.SessionRegistry` (``create_app(engine)``, ``liteturbo serve --no-engine-process``).
 """
 from __future__ import annotations
 
-from lite.formats import LiteturboError
-
-from .. import errors
 from ..config import GenerationConfig
 from ..engine import Engine
 from ..loop import EngineLoop, RequestHandle
 from .sessions import SessionRegistry
-
-_TYPED = {c.__name__: c for c in (errors.InvalidRequest, errors.NotFound, errors.Conflict, errors.OverCapacity,
-                                  errors.InternalError, errors.EngineDead, LiteturboError)}
-
-
-def error_to_wire(e: BaseException) -> tuple:
-    """A picklable stand-in for ``e``: (type name, message, retry_after)."""
-    return type(e).__name__, str(e), getattr(e, "retry_after", None)
-
-
-def error_from_wire(wire: tuple) -> BaseException:
-    """The exception :func:`error_to_wire` described: the same typed error for liteturbo's errors; any other
-    exception (a kernel's ``RuntimeError``) becomes an :class:`~turbo.errors.InternalError` naming it."""
-    name, message, retry_after = wire
-    cls = _TYPED.get(name)
-    if cls is errors.OverCapacity:
-        return cls(message, retry_after=retry_after or 1.0)
-    if cls is not None:
-        return cls(message)
-    return errors.InternalError(f"the engine failed while running this request ({name}: {message}); see the server "
-                                f"log")
-
-
-def session_facts(session) -> dict:
-    """What ``GET /v1/sessions/{id}`` shows of a :class:`~turbo.session.Session`: ``system``, ``messages``,
-    ``busy``, ``tokens`` (history length), ``kv_resident_tokens`` and ``last`` (its last turn's
-    :class:`~turbo.core.request.GenerationOutput` or ``None``)."""
-    return {"system": session.system, "messages": list(session.messages), "busy": session.busy,
-            "tokens": len(session.seq.token_ids), "kv_resident_tokens": session.seq.num_computed,
-            "last": session.last}
+from .client import session_facts
 
 
 class InprocClient:
     """The engine in this process: ``engine`` driven by ``loop`` (an :class:`~turbo.loop.EngineLoop`), sessions
-    by id in ``sessions`` (a :class:`~turbo.serve.sessions.SessionRegistry` of this engine)."""
+    by id in ``sessions`` (a :class:`~turbo.engine_proc.sessions.SessionRegistry` of this engine)."""
 
     def __init__(self, engine: Engine, loop: EngineLoop, sessions: SessionRegistry) -> None:
         self.engine, self.loop, self.sessions = engine, loop, sessions
@@ -63,12 +21,16 @@ class InprocClient:
         self.backend_name, self.device = engine.backend.name, str(engine.platform.device)
         self.observers = loop.observers  # called with each finished request's GenerationOutput
         self.dead: str | None = None  # an engine in this process dies with it
-        self.exit_reason: str | None = None
 
     @property
     def running(self) -> bool:
         """Whether the engine loop runs (``/health``)."""
         return self.loop.running
+
+    @property
+    def exit_reason(self) -> None:
+        """Always ``None``: an engine of this process does not exit on its own (``/health`` says the loop stopped)."""
+        return None
 
     def chat_template_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template (raises ``LiteturboError``)."""

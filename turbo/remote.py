@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from lite.formats import LiteturboError
 
-from ..config import GenerationConfig
+from .config import GenerationConfig
 
 
 @dataclass

@@ -6,7 +6,7 @@
 - a session's requests (``/v1/sessions/{id}...``, ``/v1/chat/completions`` with ``session_id``) go to its owner:
   :func:`rendezvous` (highest-random-weight) hashing of the session id over the healthy replicas, so every turn of
   a session lands on the replica that holds its KV cache, and when a replica is down only its own sessions move;
-- ``POST /v1/sessions`` gets an id chosen here (:func:`~turbo.serve.sessions.new_session_id`, or the client's
+- ``POST /v1/sessions`` gets an id chosen here (:func:`~turbo.session_ids.new_session_id`, or the client's
   ``id``) and goes to that id's owner;
 - everything else (``/v1/chat/completions`` without ``session_id``, ``/v1/completions``, ``/v1/models``, the web
   page) goes to the least loaded healthy replica: fewest requests in flight through this router.
@@ -42,8 +42,8 @@ from starlette.responses import StreamingResponse
 from lite.cli import friendly_errors
 from lite.formats import LiteturboError
 
-from .responses import APIError
-from .sessions import new_session_id
+from .http_errors import APIError
+from .session_ids import new_session_id
 
 REPLICA_HEADER = "x-liteturbo-replica"
 API_KEYS_ENV = "LITETURBO_API_KEYS"

@@ -1,23 +1,13 @@
 """The engine process of ``liteturbo serve``: the engine core (scheduler, model, KV cache) and the sessions' KV run
 here, in a process of their own, so the HTTP front's event loop never competes with a step for one interpreter.
 
-:func:`run_engine_process` is the process's body (``python -m turbo.serve.engine_proc``, started by
-:class:`~turbo.serve.mp_client.MPClient`, which writes the pickled start-up spec to its stdin and keeps that pipe
-open: the process leaves when it closes, i.e. when the front is gone). It loads
-an :class:`~turbo.engine.Engine` and a :class:`~turbo.serve.sessions.SessionRegistry` (restoring a session dir),
+:func:`run_engine_process` is the process's body (``python -m turbo.engine_proc.process``, started by
+:class:`~turbo.engine_proc.mp_client.MPClient`, which writes the pickled start-up spec to its stdin and keeps that
+pipe open: the process leaves when it closes, i.e. when the front is gone). It loads an
+:class:`~turbo.engine.Engine` and a :class:`~turbo.engine_proc.sessions.SessionRegistry` (restoring a session dir),
 drives them with an :class:`~turbo.loop.EngineLoop`, and talks to the front over two pyzmq PUSH/PULL sockets with
-pickled tuples (a local, trusted pipe between two processes of one server):
-
-front -> engine
-    ``("submit", rid, prompt_ids, gen, priority)``, ``("submit_many", rids, prompt_ids, gens, priority)`` (a
-    request's ``n`` choices, queued together), ``("chat", rid, session_id, message, gen, persist, tools,
-    tool_call_id, keep_partial)``, ``("cancel", rid, reason)``, ``("call", cid, method, args)`` (sessions and stats), ``("shutdown",)``.
-engine -> front
-    ``("ready", facts)`` or ``("failed", message)`` once at start; ``("ack", rid, stop_ids, error)`` per
-    submission; per loop turn ONE ``("out", [(rid, text, new_ids, new_logprobs, end), ...])`` with every request's
-    new text, token ids and logprobs of that turn (``end``: ``None``, ``("output", GenerationOutput)`` or
-    ``("error", wire_error)``); ``("reply", cid, result, wire_error)``; ``("dead", why)`` before exiting when the
-    engine died (e.g. a tensor-parallel worker was killed).
+the pickled dataclasses of :mod:`turbo.engine_proc.messages` (requests, cancellations and calls in; per loop turn
+ONE :class:`~turbo.engine_proc.messages.Out` with every request's new text, token ids and logprobs out).
 
 Submissions and calls run on the loop thread between steps (all that arrived during a step run before the next
 one), so none waits for the engine's lock behind a string of steps.
@@ -33,7 +23,8 @@ import sys
 import threading
 import traceback
 
-from .engine_client import error_to_wire, session_facts
+from .client import session_facts
+from .messages import Ack, Call, Cancel, Chat, Dead, Failed, Out, Ready, Reply, Shutdown, Submit, SubmitMany, WireError
 
 
 class EngineProcess:
@@ -52,10 +43,10 @@ class EngineProcess:
         self.inp.connect(spec["to_engine"])
         self._send_lock = threading.Lock()
         self.handles: dict = {}
-        self.batch: list = []  # this turn's outputs (loop thread only)
+        self.batch = Out()  # this turn's outputs (loop thread only)
         self.stop = threading.Event()
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             self.out.send(data)
@@ -73,8 +64,7 @@ class EngineProcess:
         self.loop.on_turn.append(self.flush)
         self.loop.start()
         e = self.engine
-        self.send(("ready", {"path": str(e.path), "session_len": e.session_len, "backend": e.backend.name,
-                             "device": str(e.platform.device), "restored": restored, "pid": os.getpid()}))
+        self.send(Ready(str(e.path), e.session_len, e.backend.name, str(e.platform.device), restored, os.getpid()))
 
     # --- the loop thread ---------------------------------------------------------------------------------------------
     def sink(self, handle, item) -> None:
@@ -84,63 +74,62 @@ class EngineProcess:
         handle.ids_sent = n
         ids, lps = req.output_ids[n0:n], req.logprobs[n0:n]
         if isinstance(item, str):
-            self.batch.append((handle.rid, item, ids, lps, None))
+            self.batch.add(handle.rid, item, ids, lps)
             return
         self.handles.pop(handle.rid, None)
-        end = ("error", error_to_wire(item)) if isinstance(item, BaseException) else ("output", item)
-        self.batch.append((handle.rid, "", ids, lps, end))
+        self.batch.add(handle.rid, "", ids, lps, WireError.of(item) if isinstance(item, BaseException) else item)
 
     def flush(self) -> None:
         """End of a loop turn: send its outputs as one message; leave when the engine died."""
         if self.batch:
-            batch, self.batch = self.batch, []
-            self.send(("out", batch))
+            batch, self.batch = self.batch, Out()
+            self.send(batch)
         dead = getattr(self.engine, "dead", None)
         if dead and not self.stop.is_set():
-            self.send(("dead", str(dead)))
+            self.send(Dead(str(dead)))
             self.stop.set()
+
+    def _opened(self, rid: int, h) -> None:
+        h.rid, h.ids_sent = rid, 0
+        self.handles[rid] = h
+        self.send(Ack(rid, sorted(h.request.stop_ids)))
 
     def _start(self, rid: int, submit) -> None:
         try:
             h = submit()
         except Exception as e:  # noqa: BLE001 - the front raises it for the caller (400 / 404 / 409 / 503)
-            self.send(("ack", rid, None, error_to_wire(e)))
+            self.send(Ack(rid, error=WireError.of(e)))
             return
-        h.rid, h.ids_sent = rid, 0
-        self.handles[rid] = h
-        self.send(("ack", rid, sorted(h.request.stop_ids), None))
+        self._opened(rid, h)
 
-    def submit(self, rid: int, ids: list[int], gen, priority: int) -> None:
-        self._start(rid, lambda: self.loop.submit(ids, gen, priority, sink=self.sink))
+    def submit(self, m: Submit) -> None:
+        self._start(m.rid, lambda: self.loop.submit(m.prompt_ids, m.gen, m.priority, sink=self.sink))
 
-    def submit_many(self, rids: list[int], ids: list[int], gens: list, priority: int) -> None:
+    def submit_many(self, m: SubmitMany) -> None:
         try:
-            handles = self.loop.submit_many(ids, gens, priority, sink=self.sink)
+            handles = self.loop.submit_many(m.prompt_ids, m.gens, m.priority, sink=self.sink)
         except Exception as e:  # noqa: BLE001 - as _start: each choice's caller gets the error
-            for rid in rids:
-                self.send(("ack", rid, None, error_to_wire(e)))
+            for rid in m.rids:
+                self.send(Ack(rid, error=WireError.of(e)))
             return
-        for rid, h in zip(rids, handles):
-            h.rid, h.ids_sent = rid, 0
-            self.handles[rid] = h
-            self.send(("ack", rid, sorted(h.request.stop_ids), None))
+        for rid, h in zip(m.rids, handles):
+            self._opened(rid, h)
 
-    def chat(self, rid: int, sid: str, message: str, gen, persist: bool, tools=None, tool_call_id=None,
-             keep_partial=False) -> None:
+    def chat(self, m: Chat) -> None:
         def go():
-            session = self.sessions.get(sid)
-            on_end = (lambda: self.sessions.persist(sid)) if persist else None
-            return self.loop.submit_chat(session, message, gen, 0, on_end, sink=self.sink, tools=tools,
-                                         tool_call_id=tool_call_id, keep_partial=keep_partial)
-        self._start(rid, go)
+            session = self.sessions.get(m.session_id)
+            on_end = (lambda: self.sessions.persist(m.session_id)) if m.persist else None
+            return self.loop.submit_chat(session, m.message, m.gen, 0, on_end, sink=self.sink, tools=m.tools,
+                                         tool_call_id=m.tool_call_id, keep_partial=m.keep_partial)
+        self._start(m.rid, go)
 
-    # --- calls (on the loop thread, between steps) -------------------------------------------------------------------------------------
-    def call(self, cid: int, method: str, args: tuple) -> None:
+    # --- calls (on the loop thread, between steps) -------------------------------------------------------------------
+    def call(self, m: Call) -> None:
         try:
-            result = getattr(self, "rpc_" + method)(*args)
-            self.send(("reply", cid, result, None))
+            result = getattr(self, "rpc_" + m.method)(*m.args)
+            self.send(Reply(m.cid, result))
         except Exception as e:  # noqa: BLE001 - raised again in the front
-            self.send(("reply", cid, None, error_to_wire(e)))
+            self.send(Reply(m.cid, error=WireError.of(e)))
 
     def rpc_session_create(self, system, session_id=None, defaults=None):
         return self.sessions.create(system, session_id, defaults)[0]
@@ -165,28 +154,27 @@ class EngineProcess:
         return self.engine.stats()
 
     # --- the main thread ---------------------------------------------------------------------------------------------
-    def dispatch(self, msg: tuple) -> None:
-        kind = msg[0]
-        gen = {"submit": 3, "chat": 4, "submit_many": 3}.get(kind)
-        if gen is not None:  # compile a constraint here, not on the loop's thread between steps
-            gens = msg[gen] if kind == "submit_many" else [msg[gen]]
+    def dispatch(self, msg) -> None:
+        if isinstance(msg, (Submit, Chat, SubmitMany)):
+            # compile a constraint here, not on the loop's thread between steps
+            gen = msg.gen if not isinstance(msg, SubmitMany) else (msg.gens[0] if msg.gens else None)
             try:
-                self.engine.prepare_constraint(gens[0] if gens else None)
+                self.engine.prepare_constraint(gen)
             except Exception:  # noqa: BLE001 - add_request raises it again, and the caller gets it
                 pass
-        if kind == "submit":
-            self.loop.call_soon(lambda: self.submit(*msg[1:]))
-        elif kind == "submit_many":
-            self.loop.call_soon(lambda: self.submit_many(*msg[1:]))
-        elif kind == "chat":
-            self.loop.call_soon(lambda: self.chat(*msg[1:]))
-        elif kind == "cancel":
-            h = self.handles.get(msg[1])
+        if isinstance(msg, Submit):
+            self.loop.call_soon(lambda: self.submit(msg))
+        elif isinstance(msg, SubmitMany):
+            self.loop.call_soon(lambda: self.submit_many(msg))
+        elif isinstance(msg, Chat):
+            self.loop.call_soon(lambda: self.chat(msg))
+        elif isinstance(msg, Cancel):
+            h = self.handles.get(msg.rid)
             if h is not None:
-                h.cancel(*msg[2:])
-        elif kind == "call":  # between steps too: a thread waiting for the engine's lock could wait many steps
-            self.loop.call_soon(lambda: self.call(*msg[1:]))
-        elif kind == "shutdown":
+                h.cancel(msg.reason)
+        elif isinstance(msg, Call):  # between steps too: a thread waiting for the engine's lock could wait many steps
+            self.loop.call_soon(lambda: self.call(msg))
+        elif isinstance(msg, Shutdown):
             self.stop.set()
 
     def serve(self) -> None:
@@ -225,9 +213,9 @@ class EngineProcess:
 
 def run_engine_process(spec: dict) -> None:
     """The engine process's body. ``spec``: ``model``, ``engine_options``
-    (:class:`~turbo.config.EngineConfig` fields), ``registry`` (:class:`~turbo.serve.sessions.SessionRegistry`
+    (:class:`~turbo.config.EngineConfig` fields), ``registry`` (:class:`~turbo.engine_proc.sessions.SessionRegistry`
     keywords), ``max_waiting``, and the two socket addresses ``to_engine`` / ``to_front``. A failed start-up is
-    reported as ``("failed", message)`` and the process exits 1."""
+    reported as :class:`~turbo.engine_proc.messages.Failed` and the process exits 1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole group: the front shuts us down
     proc = EngineProcess(spec)
     try:
@@ -236,7 +224,7 @@ def run_engine_process(spec: dict) -> None:
         from lite.formats import LiteturboError
 
         msg = str(e) if isinstance(e, LiteturboError) else "".join(traceback.format_exception(e))
-        proc.send(("failed", msg))
+        proc.send(Failed(msg))
         proc.close()
         sys.exit(1)
     try:

