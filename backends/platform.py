@@ -44,7 +44,6 @@ def npu_available() -> bool:
 
 
 # the names turbo/cli.py imports today (tests/test_structure.py's allow-list); the public ones above are the API
-_torch_npu, _npu_available = torch_npu_module, npu_available
 
 
 def cpu_name() -> str:

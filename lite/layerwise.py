@@ -21,7 +21,7 @@ import torch
 
 from .formats import LiteturboError, load_config, load_quantized_linears, make_dirs, quantization_spec, write_json
 from .formats.checkpoint import config_mismatch, weight_files
-from .methods import LayerBatch, _Stop
+from .methods import LayerBatch, StopForward
 
 
 def release_heap(collect: bool = False) -> None:
@@ -188,7 +188,7 @@ class LazyCheckpoint:
             h = args[0] if args else kwargs.pop("hidden_states")
             kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
             store.append((h.detach(), kw))
-            raise _Stop
+            raise StopForward
 
         handle = self.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
         try:
@@ -196,7 +196,7 @@ class LazyCheckpoint:
                 for s in samples:
                     try:
                         m(input_ids=s.to(self.device), use_cache=False)
-                    except _Stop:
+                    except StopForward:
                         pass
         finally:
             handle.remove()

@@ -45,7 +45,7 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return current_platform(device).default_dtype()
 
 
-class _Stop(Exception):
+class StopForward(Exception):
     """Raised by a hook to end a forward pass early."""
 
 
@@ -138,14 +138,14 @@ def collect_stats(layer: torch.nn.Module, batch: LayerBatch, heads: list[str], h
             """Add the linear's input rows to its statistics; stop the sample after ``stop_after``."""
             stats[n].add(args[0])
             if n == stop_after:
-                raise _Stop
+                raise StopForward
         handles.append(mod.register_forward_pre_hook(hook))
     try:
         with torch.no_grad(), batch.autocast():
             for h, kw in zip(batch.inputs, batch.kwargs):
                 try:
                     layer(h, **kw)
-                except _Stop:
+                except StopForward:
                     pass
     finally:
         for hd in handles:

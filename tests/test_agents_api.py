@@ -26,7 +26,7 @@ from turbo.serve.logprobs import UNLIKELY_LOGPROB
 
 from conftest import serve_in_thread
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # the end-to-end tier (README)
 MODEL = "smol"
 BLOCK = 16
 MSGS = [{"role": "user", "content": "Write one sentence about the sea."}]

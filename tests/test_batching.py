@@ -12,7 +12,7 @@ import pytest
 
 from turbo import Engine, EngineConfig, GenerationConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # the end-to-end tier (README)
 
 TOPICS = ["the sea", "a robot", "Paris", "mathematics", "a cat", "the moon", "coffee", "rain", "music",
           "a library", "mountains", "bread"]

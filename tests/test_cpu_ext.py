@@ -353,6 +353,7 @@ def test_paged_attention_refuses_bad_tables():
         ext.paged_attention(q.bfloat16(), kc, kc, torch.tensor([[0]]), 16, torch.tensor([0]), one, 1.0)
 
 
+@pytest.mark.e2e
 @needs_ext
 @pytest.mark.slow
 def test_engine_greedy_unchanged_with_the_cpu_kernels(smollm2_path, smollm2_rtn_g64):

@@ -193,6 +193,7 @@ def _engine_pid(proc: subprocess.Popen) -> int:
     return kids[0].pid
 
 
+@pytest.mark.e2e
 def test_engine_process_killed_mid_generation_gives_503_and_the_server_exits(tiny):
     proc, url = _start_server(tiny)
     try:
@@ -214,6 +215,7 @@ def test_engine_process_killed_mid_generation_gives_503_and_the_server_exits(tin
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.e2e
 def test_a_front_that_dies_takes_its_engine_process_with_it(tiny):
     proc, url = _start_server(tiny)
     engine = psutil.Process(_engine_pid(proc))
@@ -227,6 +229,7 @@ def _tp_workers(proc: subprocess.Popen) -> list[psutil.Process]:
             and "resource_tracker" not in " ".join(p.cmdline())]
 
 
+@pytest.mark.e2e
 def test_a_tensor_parallel_worker_killed_mid_generation_gives_503_and_the_server_exits(tiny):
     proc, url = _start_server(tiny, "--tp", "2")
     try:
@@ -243,6 +246,7 @@ def test_a_tensor_parallel_worker_killed_mid_generation_gives_503_and_the_server
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_serve_tp3_smollm2_w4a16_equals_tp1(smollm2_rtn_g64):
     """SmolLM2-135M (9 heads, 3 KV heads) W4A16 g64 split over 3 gloo ranks behind `liteturbo serve --tp 3`."""
@@ -261,6 +265,7 @@ def test_serve_tp3_smollm2_w4a16_equals_tp1(smollm2_rtn_g64):
         proc.wait(30)
 
 
+@pytest.mark.e2e
 def test_ctrl_c_ends_open_streams_with_their_error_event_and_exits_cleanly(tmp_path):
     from tiny_models import build_tiny_llama, save_word_tokenizer
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # the end-to-end tier (README)
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "gpu_compass.py"
 SECTIONS = ["env", "w4a16", "attention", "check", "checkpoint", "decode", "logits", "tests"]

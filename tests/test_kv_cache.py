@@ -330,6 +330,7 @@ def _prompts(n):
     return [f"Write one sentence about {topics[i % len(topics)]} number {i}." for i in range(n)]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["int8"])
 def test_quantized_cache_outputs_do_not_depend_on_batching_or_prefix_hits(smollm2_rtn_g64, kv_dtype):

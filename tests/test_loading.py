@@ -171,6 +171,7 @@ def test_streaming_logits_are_bit_identical_to_whole_state_dict_load(tmp_path, m
         assert streamed.layers[0].qkv.quantized == "w4a16"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", ["bf16-sharded", "awq", "gptq-act-order"])
 def test_no_host_copy_of_an_earlier_layer_is_alive_while_a_layer_is_prepared(tmp_path, monkeypatch, case):
     make, dtype = CASES[case]

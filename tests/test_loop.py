@@ -50,6 +50,7 @@ def test_sync_stream_equals_generate_and_runs_off_the_caller_thread(engine, loop
     assert threads == {"liteturbo-engine-loop"}
 
 
+@pytest.mark.e2e
 def test_async_concurrent_requests_and_session_turns(engine, loop):
     prompts = [f"List {i} fruits:" for i in range(3)]
     refs = [engine.generate(p, G).text for p in prompts]

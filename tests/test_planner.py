@@ -181,6 +181,7 @@ def _fake_free(monkeypatch, free_bytes):
     monkeypatch.setattr(Platform, "free_memory", lambda self: int(free_bytes))
 
 
+@pytest.mark.e2e
 def test_larger_prefill_chunk_never_makes_the_pool_larger(smollm2_rtn_g64, monkeypatch):
     _fake_free(monkeypatch, 2 * 2**30)
     blocks = []
@@ -197,6 +198,7 @@ def test_larger_prefill_chunk_never_makes_the_pool_larger(smollm2_rtn_g64, monke
     assert tokens == sorted(tokens, reverse=True) and tokens[0] > tokens[-1], tokens
 
 
+@pytest.mark.e2e
 def test_memory_already_in_use_is_accounted(smollm2_rtn_g64, monkeypatch):
     _fake_free(monkeypatch, 3 * 2**30)
     big = Engine(smollm2_rtn_g64, EngineConfig(cache_max_entry_count=0.9, session_len=1024))
@@ -252,6 +254,7 @@ def _profiled_peak(fn) -> int:
     return max(totals) - totals[0]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_cpu_step_memory_within_the_workspace_estimate(smollm2_rtn_g64, batch_invariant):
     """A chunked prefill (3 chunks of 256 over a 768-token prompt) and a decode batch of 8 allocate no more than
@@ -481,6 +484,7 @@ print(json.dumps({"added": hwm() - base, "base": base}))
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux /proc for peak RSS")
 @pytest.mark.parametrize("method", ["awq", "gptq", "gptq-e2e"])
 def test_quantize_peak_estimate_against_a_run(tmp_path, method, smollm2_path):

@@ -259,6 +259,7 @@ def _reference(tiny, turns: list[list[tuple[str, int]]]) -> list[list[str]]:
     return out
 
 
+@pytest.mark.e2e
 def test_sessions_stick_fail_over_on_a_kill_and_answer_as_without_it(tiny, replicas):
     urls = [u for u, _ in replicas]
     app = create_router_app(urls, api_keys="", health_interval=0.2)

@@ -99,6 +99,7 @@ def test_tiny_checkpoint_matches_its_table_and_runs_in_transformers(cache, size)
     assert logits.shape == (1, 4, 49152) and torch.isfinite(logits).all()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("size", ["tiny", "tiny-qwen2"])
 def test_gguf_has_the_checkpoint_shapes(cache, size):
     import gguf
@@ -125,6 +126,7 @@ def test_gguf_has_the_checkpoint_shapes(cache, size):
     assert torch.allclose(torch.from_numpy(v.data.astype("float32")).reshape(ref.shape), ref, atol=1e-6)
 
 
+@pytest.mark.e2e
 def test_gguf_reads_back_into_the_same_logits(cache):
     """transformers reads the Llama GGUF (undoing llama.cpp's q/k row order) into the same model."""
     from transformers import AutoModelForCausalLM
@@ -158,6 +160,7 @@ def test_native_vocab_pads_the_gguf_tokenizer(cache):
     assert types[-3:] == [int(gguf.TokenType.UNUSED)] * 3 and len(w.kv["tokenizer.ggml.merges"]) > 40000
 
 
+@pytest.mark.e2e
 def test_scale_tiny_prints_every_key(cache):
     p = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--sizes", "tiny", "--json", "--no-peers",
                         "--new-tokens", "8", "--prefill", "32", "--repeats", "1", "--copy-mib", "16",

@@ -378,6 +378,7 @@ def test_metrics_count_requests_tokens_and_latencies(url, http):
     assert 0 <= after["liteturbo_prefix_cache_hit_rate"] <= 1 and "liteturbo_sessions" in after
 
 
+@pytest.mark.e2e
 def test_sessions_survive_a_server_restart_with_the_same_tokens(smollm2_rtn_g64, tmp_path):
     """Three turns, the server restarted with the same session dir, a fourth turn: the same tokens as four turns
     without a restart."""

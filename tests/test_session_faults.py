@@ -80,6 +80,7 @@ def _wait_idle(http, sid: str) -> dict:
     raise AssertionError("the session stayed busy")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("route", ["session", "chat"])
 def test_a_client_disconnecting_mid_turn_leaves_the_session_as_before(served, route):
     http, engine = served
@@ -194,6 +195,7 @@ def test_restoring_a_missing_damaged_or_foreign_session_is_a_clear_error(smollm2
     assert engine.stats()["blocks_free"] == free and engine.stats()["running"] == 0  # nothing else changed
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kv", ["auto", "int8", "int4"])
 def test_a_restored_session_reuses_its_saved_kv(smollm2_path, tmp_path, kv):
     cfg = EngineConfig(dtype="float32", max_kv_tokens=1024, block_size=16, kv_cache_dtype=kv,

@@ -37,6 +37,7 @@ def _ids(engine, msg):
     return engine.chat_template_ids([{"role": "user", "content": msg}])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_greedy_tokens_equal_without_drafts(engine, k):
     p = _ids(engine, "Repeat this text exactly:\n\n" + TEXT)
@@ -49,6 +50,7 @@ def test_greedy_tokens_equal_without_drafts(engine, k):
     assert steps > 0 and acc > steps // 2  # the text repeats the prompt: most drafts are kept
 
 
+@pytest.mark.e2e
 def test_stops_and_limits_inside_an_accepted_run_and_batched_with_others(engine):
     p = _ids(engine, "Repeat this text exactly:\n\n" + TEXT)
     ref = engine.generate(p, GenerationConfig(max_new_tokens=60))
@@ -76,6 +78,7 @@ def test_rejected_drafts_never_reach_the_prefix_cache(engine):
     assert again.cached_tokens > len(p) and again.token_ids == want.token_ids
 
 
+@pytest.mark.e2e
 def test_a_session_speculates_turn_after_turn(engine):
     s = engine.session()
     plain = engine.session()

@@ -9,6 +9,7 @@ the same package it imports) and the number of circles in each.
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -45,7 +46,8 @@ def test_lower_packages_do_not_import_upper_ones(pkg, banned):
 
 
 def test_sessions_loop_and_http_use_only_the_core_public_api():
-    files = [ROOT / "turbo/session.py", ROOT / "turbo/loop.py", *sorted((ROOT / "turbo/serve").glob("*.py"))]
+    files = [ROOT / "turbo/session.py", ROOT / "turbo/loop.py", ROOT / "turbo/engine.py",
+             *sorted((ROOT / "turbo/serve").glob("*.py")), *sorted((ROOT / "turbo/engine_proc").glob("*.py"))]
     pattern = re.compile(r"engine\._|\.scheduler\.|\.block_manager\.|\.runner\.")
     bad = [f"{_rel(p)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
            if pattern.search(line)]
@@ -55,7 +57,7 @@ def test_sessions_loop_and_http_use_only_the_core_public_api():
 def test_functions_stay_readable():
     long_funcs = []
     for p in SHIPPED:
-        limit = 60 if _rel(p).startswith("turbo/serve/") else 140
+        limit = 60 if _rel(p).startswith(("turbo/serve/", "turbo/engine_proc/")) else 140
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
                     node.end_lineno - node.lineno + 1 > limit:
@@ -70,8 +72,6 @@ def test_every_shipped_module_has_a_docstring():
 
 # --- import graphs and their circles ------------------------------------------------------------------------------
 PACKAGES = ("lite", "turbo", "backends")
-# TODO serve/ circle owned by the serve split: the lead removes this exclusion once turbo/serve/ is moved
-CIRCLE_EXCLUDED = {"turbo": "turbo.serve"}
 
 
 def package_modules(pkg: str) -> dict[str, Path]:
@@ -173,24 +173,10 @@ def test_circle_finder_on_hand_built_graphs():
 @pytest.mark.parametrize("pkg", PACKAGES)
 def test_no_import_circles(pkg):
     graph = import_graph(pkg)
-    if pkg in CIRCLE_EXCLUDED:
-        graph = without(graph, CIRCLE_EXCLUDED[pkg])
     assert circles(graph) == []
 
 
 # --- private names --------------------------------------------------------------------------------------------
-# (importing file, module imported from, private name) — owned elsewhere this pass
-PRIVATE_IMPORTS_ALLOWED = {
-    ("lite/layerwise.py", "lite.methods", "_Stop"),
-    ("turbo/cli.py", "backends.platform", "_npu_available"),
-    ("turbo/cli.py", "backends.platform", "_torch_npu"),
-    ("turbo/plan.py", "turbo.config", "_DTYPES"),
-    ("turbo/plan.py", "turbo.config", "_KV_ALIASES"),
-    ("turbo/serve/tool_parsers.py", "turbo.serve.tool_json", "_WS"),
-    ("turbo/serve/tool_parsers.py", "turbo.serve.tool_json", "_CallObject"),
-}
-
-
 def private_imports(path: Path) -> list[tuple[str, str, str, int]]:
     """``from M import _name`` in ``path`` where M is a module of lite, turbo or backends and ``_name`` is private
     (a leading underscore, not a dunder): (file, M, name, line)."""
@@ -207,16 +193,82 @@ def private_imports(path: Path) -> list[tuple[str, str, str, int]]:
     return out
 
 
-def _allowed(found: tuple[str, str, str, int]) -> bool:
-    """On the allow-list: the same importing file name (wherever its folder moves), module name and private name."""
-    file, src, name, _ = found
-    return any(Path(file).name == Path(f).name and src.rpartition(".")[2] == s.rpartition(".")[2] and name == n
-               for f, s, n in PRIVATE_IMPORTS_ALLOWED)
-
-
 def test_no_module_imports_another_modules_private_names():
-    bad = [f for p in SHIPPED for f in private_imports(p) if not _allowed(f)]
+    bad = [f for p in SHIPPED for f in private_imports(p)]
     assert bad == [], "import the public name (or make it public where it is defined): " + repr(bad)
+
+
+# --- the engine core's public API ---------------------------------------------------------------------------------
+# the floors above the core: they reach it only through ``from turbo.core import NAME`` (turbo.core.__all__)
+ABOVE_CORE = ["turbo/engine.py", "turbo/session.py", "turbo/loop.py", "turbo/perplexity.py",
+              *(f"turbo/{d}/" for d in ("serve", "engine_proc"))]
+
+
+def _core_imports(path: Path) -> list[tuple[str, str, int]]:
+    """(module, name, line) of every import of ``turbo.core`` or its modules in ``path``, lazy ones included."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    pkg = module.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, "", node.lineno) for a in node.names if a.name.startswith("turbo.core")]
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg[:len(pkg) - node.level + 1] if node.level else []
+            src = ".".join(base + ([node.module] if node.module else []))
+            if src == "turbo" and any(a.name == "core" for a in node.names):
+                out.append(("turbo.core", "*", node.lineno))
+            elif src.startswith("turbo.core"):
+                out += [(src, a.name, node.lineno) for a in node.names]
+    return out
+
+
+def test_floors_above_the_core_import_only_its_public_api():
+    import turbo.core
+
+    files = [p for p in SHIPPED if any(_rel(p) == f or _rel(p).startswith(f) for f in ABOVE_CORE)]
+    assert len(files) > 10
+    bad = [(_rel(p), src, name, line) for p in files for src, name, line in _core_imports(p)
+           if src != "turbo.core" or name not in turbo.core.__all__]
+    assert bad == [], "import these through `from turbo.core import NAME` (add a name to turbo/core/__init__.py " \
+                      "only if it is meant to be public): " + repr(bad)
+    assert all(getattr(turbo.core, name) is not None for name in turbo.core.__all__)
+
+
+def _doc_section(title: str) -> str:
+    text = (ROOT / "docs/architecture.md").read_text(encoding="utf-8")
+    return text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def test_architecture_doc_lists_the_core_public_api_exactly():
+    import turbo.core
+    from turbo.core.engine import EngineCore
+
+    section = _doc_section("The core's public API (what sessions, the loop and the server may use)")
+    package_part, methods_part = section.split("`EngineCore`'s methods and properties", 1)
+    methods_part, attrs_part = methods_part.split("Its read-only attributes", 1)
+    names = lambda text: set(re.findall(r"`(\w+)`", text))  # noqa: E731
+    assert names(package_part) == set(turbo.core.__all__)
+    public = {n for n, v in vars(EngineCore).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    assert names(methods_part) == public
+    init = ast.parse(inspect.getsource(EngineCore.__init__).strip().replace("\n    ", "\n"))
+    assigned = {t.attr for n in ast.walk(init) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                for t in [n]}
+    assert names(attrs_part) <= assigned
+
+
+def test_engine_core_step_reads_schedule_run_update_in_25_lines():
+    from turbo.core.engine import EngineCore
+    from turbo.core.scheduler import Scheduler
+
+    lines, _ = inspect.getsourcelines(EngineCore.step)
+    assert len(lines) <= 25
+    body = "".join(lines)
+    assert body.index("schedule()") < body.index("_execute(") < body.index("update_from_output(")
+    src = (ROOT / "turbo/core/scheduler.py").read_text(encoding="utf-8")
+    assert "on_admit" not in src and "on_evict" not in src
+    assert "import torch" not in src and "from torch" not in src
+    assert not any(callable(v) for v in vars(Scheduler(__import__("turbo.core.block_manager", fromlist=["x"])
+                                                       .BlockManager(2, 4))).values())
 
 
 def main() -> int:
@@ -230,10 +282,7 @@ def main() -> int:
         found = circles(graph)
         for c in found:
             print("circle:", " <-> ".join(c))
-        line = f"{len(found)} circles in {pkg}/"
-        if pkg in CIRCLE_EXCLUDED:
-            line += f" ({len(circles(without(graph, CIRCLE_EXCLUDED[pkg])))} without {CIRCLE_EXCLUDED[pkg]})"
-        print(line + "\n")
+        print(f"{len(found)} circles in {pkg}/\n")
         total += len(found)
     return total
 

@@ -88,6 +88,7 @@ def _workers(engine) -> list:
 
 
 # --- greedy tokens: tp 2 == tp 1 ---------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", [f"{a}-kv{k}-{'w4a16' if q else 'f32'}" for a, k, _, _, q in MODELS])
 def test_tp2_greedy_tokens_equal_tp1(models, name):
     ref = _greedy(Engine(models[name], **OPTS))
@@ -271,6 +272,7 @@ def test_workers_exit_when_rank_0_is_killed(models, tmp_path):
 
 
 # --- SmolLM2 (9 heads, 3 KV heads) at tp 3, W4A16 g64 -------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_smollm2_w4a16_g64_tp3_greedy_equals_tp1(smollm2_rtn_g64):
     opts = dict(dtype="float32", max_kv_tokens=2048)

@@ -119,6 +119,7 @@ CASES = [(1, 64, 64, torch.float32), (2, 128, 16, torch.bfloat16), (3, 64, 16, t
          (7, 64, 16, torch.bfloat16), (8, 128, 64, torch.float16)]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kv", ["16bit", "int8", "int4"])
 @pytest.mark.parametrize("group,head_dim,block_size,dtype", CASES)
 def test_decode_attention_matches_float64(kv, group, head_dim, block_size, dtype):
@@ -134,6 +135,7 @@ def test_decode_attention_matches_float64(kv, group, head_dim, block_size, dtype
 @pytest.mark.parametrize("kv,head_dim,group,dtype", [
     ("int4", 36, 3, torch.float32), ("int4", 16, 20, torch.float32), ("int8", 48, 2, torch.float32),
     ("int8", 30, 5, torch.bfloat16), ("float32", 40, 17, torch.float32), ("int4", 40, 4, torch.bfloat16)])
+@pytest.mark.e2e
 def test_decode_attention_odd_shapes(kv, head_dim, group, dtype):
     """Head dims that are not powers of two (rows that are not whole uint32 words: int4 with D = 36, int8 with
     D = 30 take the byte path; D = 16: the tile padded to 16 channels), GQA groups above 16 (two head blocks per KV

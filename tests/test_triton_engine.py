@@ -20,7 +20,8 @@ from turbo import Engine, EngineConfig  # noqa: E402
 from conftest import usable_backends  # noqa: E402
 from tiny_models import save_word_tokenizer  # noqa: E402
 
-pytestmark = pytest.mark.skipif("triton" not in usable_backends(), reason="triton cannot run here")
+pytestmark = [pytest.mark.skipif("triton" not in usable_backends(), reason="triton cannot run here"),
+              pytest.mark.e2e]  # the end-to-end tier (README)
 
 PROMPTS = [
     "the of and to in a is that for it",

@@ -150,6 +150,7 @@ def _ref_attention(q, keys, vals, scale):
     return torch.einsum("ht,thd->hd", torch.softmax(s, -1), vv)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8", "int4"])
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_paged_attention_matches_float64(poisoned, kv_dtype, head_dim):
@@ -266,6 +267,7 @@ def test_backend_fused_ops_agree_with_reference(backend_name):
 
 
 # --- the backend's attention over a step: decode rows, chunked prefill, batch_invariant --------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8", "int4"])
 @pytest.mark.parametrize("batch_invariant,partition", [(False, None), (True, None), (False, 4)])
 def test_triton_attention_step_equals_torch(kv_dtype, batch_invariant, partition):

@@ -69,6 +69,7 @@ def _run(w4, x, qw, **kw):
 SHAPES = {32: (150, 96), 64: (72, 192), 128: (131, 256), -1: (40, 100)}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("gs", [32, 64, 128, -1])
 @pytest.mark.parametrize("kind", ["gemv", "dot"])

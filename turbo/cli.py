@@ -362,7 +362,7 @@ def env_report(device: str = "auto") -> dict:
     import torch
 
     from backends import backend_classes, cpu_ext
-    from backends.platform import _npu_available, cpu_flags, cpu_name, current_platform, triton_interpret
+    from backends.platform import npu_available, cpu_flags, cpu_name, current_platform, triton_interpret
 
     def version(dist: str) -> str:
         """The installed version of distribution ``dist``, or ``"not installed"``."""
@@ -384,7 +384,7 @@ def env_report(device: str = "auto") -> dict:
                          "total_memory_bytes": int(p.total_memory),
                          "capability": f"{getattr(p, 'major', '?')}.{getattr(p, 'minor', '?')}"})
     try:
-        npu_seen = _npu_available()
+        npu_seen = npu_available()
     except (ImportError, ValueError):
         npu_seen = False
     if npu_seen:
@@ -412,10 +412,10 @@ def _torch_npu_version(from_metadata: str) -> str:
     """``torch_npu``'s version: package metadata, else the importable module's ``__version__``."""
     if from_metadata != "not installed":
         return from_metadata
-    from backends.platform import _torch_npu
+    from backends.platform import torch_npu_module
 
     try:
-        mod = _torch_npu()
+        mod = torch_npu_module()
     except (ImportError, ValueError):
         mod = None
     return "not installed" if mod is None else str(getattr(mod, "__version__", "installed (version unknown)"))

@@ -12,7 +12,7 @@ from backends.cpu_threads import parse_threads
 from backends.platform import Platform, current_platform
 from lite.formats import LiteturboError
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
 
@@ -38,7 +38,7 @@ def _coerce(obj, name: str, kind: str, optional: bool = False) -> None:
 
 
 KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "int8", "int4")
-_KV_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+KV_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 QUANT_POLICY = {0: "auto", 8: "int8", 4: "int4"}  # LMDeploy's --quant-policy values
 
 
@@ -133,7 +133,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "batch_invariant", "kv_calibration", "enforce_eager"):
             _coerce(self, name, "bool")
         _coerce(self, "kv_cache_dtype", "str")
-        self.kv_cache_dtype = _KV_ALIASES.get(self.kv_cache_dtype.lower(), self.kv_cache_dtype.lower())
+        self.kv_cache_dtype = KV_ALIASES.get(self.kv_cache_dtype.lower(), self.kv_cache_dtype.lower())
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise LiteturboError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)} (case-insensitive; "
                                  f"aliases bf16, fp16, half, fp32, float), got {self.kv_cache_dtype!r}")
@@ -147,8 +147,8 @@ class EngineConfig:
                                      f"disagree; give one of them")
             if self.kv_cache_dtype == "auto":
                 self.kv_cache_dtype = asked
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise LiteturboError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise LiteturboError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_batch_size", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise LiteturboError(f"{name} must be positive, got {getattr(self, name)}")
@@ -186,7 +186,7 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """The resolved compute dtype for ``device``."""
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return DTYPES[self.dtype]
         return self.platform().default_dtype()
 
     def kv_storage_dtype(self) -> str:

@@ -20,7 +20,7 @@ from backends import backend_classes
 from backends.platform import current_platform
 from lite.formats import LiteturboError, load_config, resolve_model
 
-from .config import _DTYPES, _KV_ALIASES, KV_CACHE_DTYPE_CHOICES
+from .config import DTYPES, KV_ALIASES, KV_CACHE_DTYPE_CHOICES
 from .core.model import ModelConfig
 
 from .core.planner import (ACCELERATOR_RESERVE, GiB, POOL_FRACTION, WeightChoice, gib, kv_spec, parse_memory,
@@ -357,7 +357,7 @@ def plan_checkpoint(model: str, *, gpu_mem: str | None = None, device: str | Non
         raise LiteturboError(f"--w-group-size {w_group_size} does not divide the input width of every linear "
                              f"({', '.join(str(x) for x in sorted(widths))}); use "
                              f"{', '.join(str(g) for g in valid) + ' or ' if valid else ''}-1 (per channel)")
-    kv = _KV_ALIASES.get(kv_cache_dtype.lower(), kv_cache_dtype.lower())
+    kv = KV_ALIASES.get(kv_cache_dtype.lower(), kv_cache_dtype.lower())
     if kv not in KV_CACHE_DTYPE_CHOICES:
         raise LiteturboError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, got "
                              f"{kv_cache_dtype!r}")
@@ -381,8 +381,8 @@ def plan_checkpoint(model: str, *, gpu_mem: str | None = None, device: str | Non
     dkey = {"half": "float16", "float": "float32"}.get(dtype.lower(), dtype.lower())
     if dkey == "auto":
         tdtype = default_dtype
-    elif dkey in _DTYPES:
-        tdtype = _DTYPES[dkey]
+    elif dkey in DTYPES:
+        tdtype = DTYPES[dkey]
     else:
         raise LiteturboError(f"--dtype must be auto, bfloat16 (bf16), float16 (fp16, half) or float32 (fp32), got "
                              f"{dtype!r}")

@@ -28,8 +28,7 @@ from pathlib import Path
 from lite.formats import LiteturboError
 
 from ..config import GenerationConfig
-from ..core.inputs import chat_template_ids, encode
-from ..core.startup import load_tokenizer
+from ..core import chat_template_ids, encode, load_tokenizer
 from ..errors import EngineDead, InvalidRequest
 from ..loop import RequestHandle
 from .messages import Ack, Call, Cancel, Chat, Dead, Out, Ready, Reply, Shutdown, Submit, SubmitMany, WireError

@@ -59,7 +59,7 @@ from lite.formats import LiteturboError, make_dirs
 
 from ..config import GenerationConfig
 from ..engine import Engine
-from ..core.inputs import encode
+from ..core import encode
 from ..errors import NotFound
 from ..loop import EngineLoop
 from ..engine_proc.client import EngineClient

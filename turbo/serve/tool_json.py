@@ -8,7 +8,7 @@ import json
 import re
 
 ARGS_KEYS = ("arguments", "parameters")
-_WS = " \t\n\r"
+WS = " \t\n\r"
 _SHORT = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
 _UNESCAPE = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?\Z")
@@ -24,7 +24,7 @@ def _canon(c: str) -> str:
     return c
 
 
-class _CallObject:
+class CallObject:
     """Scans one JSON object character by character (fed from its ``{``), re-writing it compactly, and keeps what a
     call needs: ``name`` (decoded, once its string closed) and the arguments' compact text in ``args`` (pieces).
 
@@ -68,7 +68,7 @@ class _CallObject:
             self._end_number()
             if self.state != "open":
                 return
-        if c in _WS:
+        if c in WS:
             return
         self._structure(c)
 

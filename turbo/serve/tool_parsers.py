@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from lite.formats import LiteturboError
 
 PARSERS = ("hermes", "llama3_json", "mistral")
-from .tool_json import _WS, _CallObject
+from .tool_json import WS, CallObject
 
 
 def new_call_id() -> str:
@@ -86,7 +86,7 @@ class ToolStreamer:
         self.hold = ""                        # text that may be the start of a marker
         self.marker, self.raw = "", []        # the block's marker and its text so far (content if it is no call)
         self.array = False                    # mistral: the calls are in a JSON array
-        self.obj: _CallObject | None = None
+        self.obj: CallObject | None = None
         self.call: ToolCall | None = None     # the announced call being read (None: not yet, or a dropped one)
         self.committed, self.sent, self.tail = False, 0, ""
         self.ws, self.seg_started, self.said = [], False, False  # content: held whitespace; piece begun; any
@@ -105,8 +105,8 @@ class ToolStreamer:
     def _text(self, s: str) -> None:
         """Content text, under the whitespace rules of the module docs."""
         if self.n_calls and not self.seg_started:
-            s = s.lstrip(_WS)
-        body = s.rstrip(_WS)
+            s = s.lstrip(WS)
+        body = s.rstrip(WS)
         if not body:
             self.ws.append(s)
             return
@@ -185,7 +185,7 @@ class ToolStreamer:
                 return
         keep = max((k for m in markers for k in range(1, min(len(hold), len(m) - 1) + 1)
                     if m.startswith(hold[-k:])), default=0)
-        if self.fmt == "llama3_json" and hold[:len(hold) - keep].strip(_WS):
+        if self.fmt == "llama3_json" and hold[:len(hold) - keep].strip(WS):
             self.armed = False  # text came first: no llama3 call follows
         self.hold = hold[len(hold) - keep:]
         self._text(hold[:len(hold) - keep])
@@ -193,14 +193,14 @@ class ToolStreamer:
     def _open_char(self, c: str) -> None:
         """Between a marker (or a separator after a call) and a call's ``{``."""
         self.raw.append(c)
-        if c in _WS:
+        if c in WS:
             return
         if c == "[" and self.fmt == "mistral" and not self.array and self.marker:
             self.array = True
             return
         if c != "{":
             return self._reject()
-        self.obj, self.committed, self.call, self.sent = _CallObject(), False, None, 0
+        self.obj, self.committed, self.call, self.sent = CallObject(), False, None, 0
         self.mode = "object"
         self.obj.feed(c)
 
@@ -262,7 +262,7 @@ class ToolStreamer:
 
     def _after_char(self, c: str) -> None:
         """After a call's object: its closing tag (hermes), a separator and the next call, or text again."""
-        if c in _WS and not self.tail:
+        if c in WS and not self.tail:
             return  # whitespace after a call: dropped (the content after a call is stripped anyway)
         self.tail += c
         if self.fmt == "hermes" and "</tool_call>".startswith(self.tail):
