@@ -271,6 +271,16 @@ def test_engine_core_step_reads_schedule_run_update_in_25_lines():
                                                        .BlockManager(2, 4))).values())
 
 
+def test_the_router_and_the_remote_client_load_no_engine_code():
+    import subprocess
+
+    code = ("import sys, turbo.router, turbo.remote; "
+            "print(sorted(m for m in sys.modules if m.startswith(('turbo.core', 'turbo.engine', 'turbo.serve'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def main() -> int:
     """Print each package's import graph and its circles; the exit status is the number of circles found."""
     total = 0
