@@ -1,5 +1,6 @@
 """liteturbo's C++ CPU kernels (``backends/csrc/*.cpp``), compiled at first use with torch's ``cpp_extension``:
-a W4A16 GEMM, fused RMSNorm / residual-add + RMSNorm / SiLU-and-mul / rotary, and paged attention (prefill and decode
+W4A16 kernels (a few rows and many rows over one packed weight), fused RMSNorm / residual-add + RMSNorm /
+SiLU-and-mul / rotary, and paged attention (prefill and decode
 rows through the block tables) over a 16/32-bit KV cache.
 
 The build uses the machine's compiler with ``-O3 -march=native`` (AVX-512 BF16 where the CPU has it, else what the
@@ -8,7 +9,7 @@ keyed by the sources, the flags, torch's version and the CPU's flags, so a later
 When compiling is impossible (no compiler, no ninja, a failed build) :func:`load` warns once and returns ``None``,
 and the torch backend keeps its pure-torch kernels. ``LITETURBO_CPU_EXT=0`` turns the extension off.
 
-:func:`pack_w4_tiles` builds the weight layout the W4A16 GEMM reads (see ``backends/csrc/w4a16_gemm_cpu.cpp``).
+:func:`pack_w4_tiles` builds the weight layout the W4A16 kernels read (see ``backends/csrc/w4a16_gemm_cpu.cpp``).
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def build_dir() -> Path:
 
 def load():
     """The compiled module, or ``None`` when disabled or when it cannot be built here (warned once, with the reason
-    and the fallback). Functions: ``w4a16_tiles_mm``, ``has_w4_tiles`` (``csrc/w4a16_gemm_cpu.cpp``); ``rms_norm``,
+    and the fallback). Functions: ``w4a16_tiles_gemv``, ``w4a16_tiles_mm``, ``has_w4_tiles``
+    (``csrc/w4a16_gemm_cpu.cpp``); ``rms_norm``,
     ``add_rms_norm``, ``silu_and_mul``, ``rotary``, ``rotary_kv_write`` (``csrc/ops_cpu.cpp``); ``paged_attention``
     (``csrc/attention_cpu.cpp``).
 
@@ -155,6 +157,18 @@ def _clear_stale_lock(d: Path, poll_seconds: float = 1.0) -> None:
                   f"removed when {STALE_LOCK_SECONDS} s old)", file=sys.stderr, flush=True)
             said = True
         time.sleep(poll_seconds)
+
+
+def w4_tiles_expected() -> bool:
+    """Whether the W4A16 kernels (``has_w4_tiles``) are expected here, without building anything: the extension is
+    not turned off, has not failed in this process, and the CPU has AVX-512 F/BW/BF16 (what ``-march=native``
+    needs for them). The planner sizes bf16 4-bit weights by it."""
+    if not enabled() or ("module" in _state and _state["module"] is None):
+        return False
+    if _state.get("module") is not None:
+        return bool(_state["module"].has_w4_tiles())
+    flags = set(_cpu_flags().split())
+    return {"avx512f", "avx512bw", "avx512_bf16"} <= flags
 
 
 def pack_w4_tiles(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,

@@ -47,7 +47,7 @@ def attention_plan(meta: AttentionMetadata, bs: int, device: torch.device):
             mask = torch.arange(ctx, device=device).unsqueeze(0) <= rows
         singles.append((qs, qe, slots.to(device), mask, t == ctx))
     decode = None
-    # one decode row: SDPA on its exact context, no mask (`python bench/kernels.py`: 50 vs 68 us at 64 tokens
+    # one decode row: SDPA on its exact context, no mask (`python bench/kernel_choices.py`: 50 vs 68 us at 64 tokens
     # of context, but 115 vs 73 us at 192: the matmul path wins for longer chats; not re-tuned yet)
     if len(dec) == 1:
         qs, slots = dec[0]

@@ -9,7 +9,8 @@ On CPUs where liteturbo's C++ extension builds (:mod:`backends.cpu_ext`), RMSNor
 rotary and SiLU-and-mul run as one fused call each, and attention over a 16-bit cache (prefill, chunked prefill and decode rows of a
 step together) runs in its paged-attention kernel, reading K/V in place through the block tables
 (``cpu_kernels=False`` keeps the torch ops); 4-bit linears of many rows (prefill chunks, decode batches) in bf16 run
-its tiled W4A16 GEMM (AVX-512 BF16), a few rows torch's int4pack.
+its W4A16 kernels (AVX-512 BF16; one packed copy of the codes: a few rows read them in place, many rows dequantize
+each tile once per call); elsewhere torch's int4pack.
 """
 from __future__ import annotations
 
@@ -33,21 +34,34 @@ _int8pack_mm = getattr(torch, "_weight_int8pack_mm", None) or getattr(torch.ops.
 
 
 @dataclass
+class W4TilesHandle:
+    """A bf16 4-bit weight held once, in the layout of liteturbo's C++ W4A16 kernels (AVX-512 BF16 CPUs,
+    ``out`` a multiple of 32; ``backends/cpu_ext.py:pack_w4_tiles``): ``tiles`` = (packed codes uint8
+    ``[out/32, in/4, 64]``, zero points int16 ``[out/32, in/g, 2, 16]``, scales bf16 ``[out/32, in/g, 2, 16]``), half
+    a byte per weight plus 4 bytes per group and output channel. A few rows run ``w4a16_tiles_gemv`` (the codes read
+    in place), from ``tiles_min_rows`` rows (and every row count in ``batch_invariant`` mode: each row's numbers are
+    its own) ``w4a16_tiles_mm``."""
+
+    tiles: tuple
+    group_size: int
+    out_features: int
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+    in_perm: torch.Tensor | None = None  # act-order: input channels sorted by group, applied to x per call
+
+
+@dataclass
 class Int4PackHandle:
-    """torch CPU int4pack weight plus the same codes for many-row inputs.
+    """torch CPU int4pack weight plus the same codes for many-row inputs (CPUs or dtypes the C++ W4A16 kernels do
+    not take; see :class:`W4TilesHandle`).
 
     ``packed`` uint8 ``[out, in/2]`` and ``scale_zeros`` ``[in/g, out, 2]`` feed
     ``aten._weight_int4pack_mm_for_cpu`` (fast for a few rows: its cost grows linearly with the rows).
-    For many rows, one of two copies of the codes:
+    For many rows ``nibbles`` uint8 ``[out, in/2]`` (byte ``j`` of a row: low nibble = code ``j``, high nibble = code
+    ``j + in/2``), ``scales``/``scaled_zeros`` ``[out, in/g, 1]`` in ``dtype``, which rebuild the dense weight for
+    inputs of ``dequant_min_rows`` rows or more, then one dense GEMM (see :func:`dequantize_nibbles`).
 
-    - ``tiles`` (bf16 with liteturbo's C++ extension on an AVX-512 BF16 CPU, ``out`` a multiple of 32): the layout of
-      its ``w4a16_tiles_mm`` (``backends/cpu_ext.py:pack_w4_tiles``: packed codes, int16 zero points, bf16 scales),
-      used from ``tiles_min_rows`` rows;
-    - else ``nibbles`` uint8 ``[out, in/2]`` (byte ``j`` of a row: low nibble = code ``j``, high nibble = code
-      ``j + in/2``), ``scales``/``scaled_zeros`` ``[out, in/g, 1]`` in ``dtype``, which rebuild the dense weight for
-      inputs of ``dequant_min_rows`` rows or more, then one dense GEMM (see :func:`dequantize_nibbles`).
-
-    The codes are thus held twice: 1 byte per weight in all (a 16-bit weight takes 2), either way.
+    The codes are thus held twice: 1 byte per weight in all (a 16-bit weight takes 2).
     """
 
     packed: torch.Tensor
@@ -60,7 +74,6 @@ class Int4PackHandle:
     nibbles: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     scaled_zeros: torch.Tensor | None = None
-    tiles: tuple | None = None
 
 
 @dataclass
@@ -102,31 +115,54 @@ def _int4pack_shape_ok(bits: int, out_features: int, in_features: int, group_siz
     )
 
 
-def pack_int4_for_cpu(qw: QuantizedWeight, dtype: torch.dtype, tiles: bool = False) -> Int4PackHandle:
-    """Repack canonical codes for ``aten._weight_int4pack_mm_for_cpu``, plus the many-row copy (``tiles=True``: the
-    C++ tiled layout, which needs ``out_features % 32 == 0``; else nibbles).
+def _tiles_shape_ok(dtype: torch.dtype, out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether liteturbo's C++ W4A16 kernels take this weight (given the extension built with AVX-512 BF16)."""
+    return dtype == torch.bfloat16 and out_features % 32 == 0 and in_features % 4 == 0 and group_size % 8 == 0
+
+
+def pack_int4_for_cpu(qw: QuantizedWeight, dtype: torch.dtype,
+                      tiles: bool = False) -> Int4PackHandle | W4TilesHandle:
+    """``tiles=True``: the one copy of :class:`W4TilesHandle` (the C++ layout, which needs ``out_features % 32 ==
+    0`` and ``in_features % 4 == 0``). Else canonical codes repacked for ``aten._weight_int4pack_mm_for_cpu`` plus
+    the nibble copy for many rows (:class:`Int4PackHandle`).
 
     That kernel computes ``W = (q - 8) * scale + zero``; the canonical ``W = (q - z) * s`` maps onto it
     with ``zero = (8 - z) * s`` (exact up to the rounding of ``zero`` in ``dtype``).
     """
     perm = act_order_permutation(qw)
     codes = qw.qweight if perm is None else qw.qweight[:, perm]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
-    s = qw.scales.float()
-    zero = (8.0 - qw.qzeros.float()) * s
-    scale_zeros = torch.stack([s, zero], dim=-1).to(dtype).contiguous()
     bias = None if qw.bias is None else qw.bias.to(dtype)
     if tiles:
         from .cpu_ext import pack_w4_tiles
 
-        return Int4PackHandle(packed, scale_zeros, qw.effective_group_size, qw.out_features, bias, dtype, perm,
-                              tiles=pack_w4_tiles(codes, qw.qzeros.T, qw.scales.T))
+        return W4TilesHandle(pack_w4_tiles(codes, qw.qzeros.T, qw.scales.T), qw.effective_group_size,
+                             qw.out_features, bias, dtype, perm)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+    s = qw.scales.float()
+    zero = (8.0 - qw.qzeros.float()) * s
+    scale_zeros = torch.stack([s, zero], dim=-1).to(dtype).contiguous()
     half = qw.in_features // 2
     nibbles = (codes[:, :half] | (codes[:, half:] << 4)).contiguous()
     scales = s.T.unsqueeze(-1).to(dtype).contiguous()  # [out, groups, 1]
     scaled_zeros = (qw.qzeros.float() * s).T.unsqueeze(-1).to(dtype).contiguous()
     return Int4PackHandle(packed, scale_zeros, qw.effective_group_size, qw.out_features, bias, dtype, perm,
                           nibbles, scales, scaled_zeros)
+
+
+def dequantize_tiles(h: W4TilesHandle, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense ``[out, in]`` weight ``(q - z) * s`` in ``dtype`` from the C++ layout of ``h`` (in the handle's possibly
+    act-order permuted input order): the inverse of :func:`backends.cpu_ext.pack_w4_tiles`, for checks and
+    benchmarks."""
+    packed, zeros, scales = h.tiles
+    nb, quads, _ = packed.shape
+    n, k = nb * 32, quads * 4
+    c = packed.view(nb, quads, 2, 16, 2)  # [block, quad, sub-block, channel, pair]
+    codes = torch.stack([c & 15, c >> 4], dim=-2)  # [block, quad, sub-block, channel, high, pair]
+    codes = codes.permute(0, 2, 3, 1, 4, 5).reshape(n, k)
+
+    def per_channel(t: torch.Tensor) -> torch.Tensor:
+        return t.permute(0, 2, 3, 1).reshape(n, -1).float().repeat_interleave(h.group_size, dim=1)
+    return ((codes.float() - per_channel(zeros)) * per_channel(scales)).to(dtype)
 
 
 def dequantize_nibbles(h: Int4PackHandle) -> torch.Tensor:
@@ -148,13 +184,13 @@ class TorchBackend(Backend):
     ``dequant_min_rows``: inputs with at least this many rows (prefill chunks, big decode batches) dequantize
     the int4 weight to ``dtype`` and run one dense GEMM (float32 weights: at every row count, except in
     ``batch_invariant`` mode); fewer rows use the int4pack kernel, whose cost
-    grows with every row (`python bench/kernels.py`, 2 threads, 3072x576 weight: 1,024 rows take ~21.6 ms in
+    grows with every row (`python bench/kernel_choices.py`, 2 threads, 3072x576 weight: 1,024 rows take ~21.6 ms in
     int4pack vs ~9.8 ms as dequant + bf16 GEMM; over SmolLM2's shapes the two cross between 64 and 96 rows).
     ``int8_tile_min_rows``: the same switch for an int8 lm_head, which is dequantized tile by tile (SmolLM2's
-    49152x576 head, 2 threads, `python bench/kernels.py --suite choices`: int8pack 2.7 ms vs tiled 5.2 at 12 rows,
+    49152x576 head, 2 threads, `python bench/kernel_choices.py --suite choices`: int8pack 2.7 ms vs tiled 5.2 at 12 rows,
     7.3 vs 6.4 at 32).
     ``tiles_min_rows``: from this many rows a bf16 4-bit linear runs liteturbo's C++ tiled W4A16 GEMM (each weight
-    tile dequantized once per call, AVX-512 BF16 dot products; `python bench/kernels.py --suite choices`: 2.3x
+    tile dequantized once per call, AVX-512 BF16 dot products; `python bench/kernel_choices.py --suite choices`: 2.3x
     int4pack at 32 rows, 3.1x at 1,024, even between 4 and 8 rows), where the CPU and the shapes allow (see
     :class:`Int4PackHandle`).
     ``dense_lm_head_min_rows``: an int8 lm_head tied to the 16-bit embedding table multiplies by that table from
@@ -187,7 +223,7 @@ class TorchBackend(Backend):
         self.dequant_min_rows = never if batch_invariant else dequant_min_rows
         self.int8_tile_min_rows = never if batch_invariant else int8_tile_min_rows
         self.dense_lm_head_min_rows = never if batch_invariant else dense_lm_head_min_rows
-        self.tiles_min_rows = never if batch_invariant else tiles_min_rows
+        self.tiles_min_rows = 1 if batch_invariant else tiles_min_rows  # w4a16_tiles_mm: each row on its own
 
     @classmethod
     def op_coverage(cls, platform=None) -> dict[str, str]:
@@ -203,8 +239,9 @@ class TorchBackend(Backend):
         return {
             **super().op_coverage(platform),
             "linear": "torch F.linear",
-            "w4a16_linear": ((int4 + " for up to 5 rows; from 6 rows liteturbo's C++ tiled W4A16 GEMM (bf16, AVX-512 "
-                              "BF16), else dequantize + matmul for many rows or layouts int4pack cannot take") if ext
+            "w4a16_linear": (("bf16 on AVX-512 BF16 CPUs: liteturbo's C++ W4A16 kernels over one packed copy (up to 5 "
+                              "rows codes read in place, from 6 rows tiles dequantized once per call); else " + int4
+                              + ", dequantize + matmul for many rows or layouts int4pack cannot take") if ext
                              else (int4 + "; dequantize + matmul for many rows or layouts it cannot take") if cpu
                              else "dequantize + matmul"),
             "w8a16_linear": ("torch int8pack kernel (aten._weight_int8pack_mm, 16-bit activations); tiled "
@@ -225,24 +262,30 @@ class TorchBackend(Backend):
     # --- W4A16 ---------------------------------------------------------------------------------
     @classmethod
     def linear_nbytes(cls, spec: LinearSpec, dtype: torch.dtype, device_type: str = "cpu") -> int:
-        """See :meth:`Backend.linear_nbytes`. On CPU a 4-bit weight the int4pack kernel takes is held twice
-        (:class:`Int4PackHandle`: int4pack codes ``[out, in/2]`` plus nibbles ``[out, in/2]``, i.e. 1 byte per
-        weight; ``scale_zeros``, ``scales`` and ``scaled_zeros`` in ``dtype``, 4 values per group and output; int64
-        input permutation for act-order)."""
+        """See :meth:`Backend.linear_nbytes`. On a CPU where liteturbo's C++ W4A16 kernels build with AVX-512 BF16
+        (:func:`backends.cpu_ext.w4_tiles_expected`), a bf16 4-bit weight is held once (:class:`W4TilesHandle`: half a
+        byte per weight, int16 zero point and bf16 scale per group and output); elsewhere a weight the int4pack kernel
+        takes is held twice (:class:`Int4PackHandle`: int4pack codes ``[out, in/2]`` plus nibbles ``[out, in/2]``,
+        i.e. 1 byte per weight; ``scale_zeros``, ``scales`` and ``scaled_zeros`` in ``dtype``, 4 values per group and
+        output). Plus the bias in ``dtype`` and the int64 input permutation for act-order."""
         gs = spec.in_features if spec.group_size == -1 else spec.group_size
         e = torch.empty((), dtype=dtype).element_size()
         out = spec.out_features
         if not (spec.quantized and _int4pack_shape_ok(spec.bits, spec.out_features, spec.in_features, gs, device_type)):
             return super().linear_nbytes(spec, dtype, device_type)
-        return (out * spec.in_features + 4 * spec.groups * out * e + (out * e if spec.bias else 0)
-                + (8 * spec.in_features if spec.act_order else 0))
+        extra = (out * e if spec.bias else 0) + (8 * spec.in_features if spec.act_order else 0)
+        from . import cpu_ext
+
+        if _tiles_shape_ok(dtype, out, spec.in_features, gs) and cpu_ext.w4_tiles_expected():
+            return out * spec.in_features // 2 + 4 * spec.groups * out + extra
+        return out * spec.in_features + 4 * spec.groups * out * e + extra
 
     def prepare_w4a16(self, qw: QuantizedWeight, dtype: torch.dtype) -> Any:
         """int4pack on CPU when the layout allows (see :func:`int4pack_supported`), else a :class:`DequantHandle`
         (a trivial g_idx is dropped: it costs 4 bytes per input channel and says nothing)."""
         if self.int4_kernel and int4pack_supported(qw, self.device):
-            tiles = (self.ext is not None and self.ext.has_w4_tiles() and dtype == torch.bfloat16
-                     and qw.out_features % 32 == 0 and qw.in_features % 4 == 0)
+            tiles = (self.ext is not None and self.ext.has_w4_tiles()
+                     and _tiles_shape_ok(dtype, qw.out_features, qw.in_features, qw.effective_group_size))
             return pack_int4_for_cpu(qw, dtype, tiles)
         g_idx = None if qw.has_trivial_g_idx() else qw.g_idx.to(self.device)
         moved = QuantizedWeight(
@@ -254,15 +297,20 @@ class TorchBackend(Backend):
 
     def w4a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
         """See :meth:`Backend.w4a16_linear`; computes in the handle's dtype, returns ``x.dtype``."""
+        if isinstance(handle, W4TilesHandle):
+            xin = x if x.dtype == handle.dtype else x.to(handle.dtype)
+            if handle.in_perm is not None:
+                xin = xin.index_select(-1, handle.in_perm)
+            kernel = self.ext.w4a16_tiles_mm if xin.shape[0] >= self.tiles_min_rows else self.ext.w4a16_tiles_gemv
+            y = kernel(xin.contiguous(), *handle.tiles, handle.group_size)
+            if handle.bias is not None:
+                y = y + handle.bias
+            return y if y.dtype == x.dtype else y.to(x.dtype)
         if isinstance(handle, Int4PackHandle):
             xin = x if x.dtype == handle.dtype else x.to(handle.dtype)
             if handle.in_perm is not None:
                 xin = xin.index_select(-1, handle.in_perm)
-            if handle.tiles is not None and xin.shape[0] >= self.tiles_min_rows:
-                y = self.ext.w4a16_tiles_mm(xin.contiguous(), *handle.tiles, handle.group_size)
-                if handle.bias is not None:
-                    y = y + handle.bias
-            elif handle.nibbles is not None and (xin.shape[0] >= self.dequant_min_rows or (
+            if handle.nibbles is not None and (xin.shape[0] >= self.dequant_min_rows or (
                     handle.dtype == torch.float32 and not self.batch_invariant)):
                 # float32: torch 2.13's int4pack kernel is ~35x slower than in bf16 (0.65 vs 0.019 ms for one row of
                 # 1536x576), dequantize + sgemm is faster at every row count

@@ -1,8 +1,9 @@
 """liteturbo's C++ CPU kernels (backends/csrc/) against float64 references and the torch ops, and the fallback.
 
-The tiled W4A16 GEMM: fresh random codes, zero points and scales; ragged row counts (M = 1, 3, 17, 64, 300), every
-group size the layout takes, act-order weights through the backend (input permutation), bias; outputs compared with
-the float64 product of the weights as the kernel rounds them (once, to bfloat16). The fused norms, rotary,
+The W4A16 kernels over one packed weight (tiled GEMM for many rows, GEMV reading the codes in place for a few): fresh
+random codes, zero points and scales; ragged row counts (M = 1, 3, 17, 64, 300; 1-5 for the GEMV), every group size
+the layout takes, act-order weights through the backend (input permutation), bias; outputs compared with the float64
+product of the weights as each kernel forms them (the GEMM rounds them once to bfloat16, the GEMV never). The fused norms, rotary,
 SiLU-and-mul against the torch ops; paged attention against float64; the torch backend with the extension turned
 off or failing to build; the engine's greedy outputs with the kernels on and off.
 """
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from backends import QuantizedWeight, TorchBackend, cpu_ext
+from backends.torch_backend import Int4PackHandle, W4TilesHandle
 
 ext = cpu_ext.load()
 _HOME_BUILD = cpu_ext.build_dir()  # where this process's extension was built (LITETURBO_HOME at import)
@@ -63,10 +65,43 @@ def test_tiled_kernel_matches_float64(m, gs):
     qw = _qw(n, k, gs, seed=m * 1000 + (gs % 997))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     h = TorchBackend("cpu").prepare_w4a16(qw, torch.bfloat16)
-    assert h.tiles is not None and h.nibbles is None  # one many-row copy of the codes, not two
+    assert isinstance(h, W4TilesHandle)  # one copy of the codes, not two
     y = ext.w4a16_tiles_mm(x, *h.tiles, qw.effective_group_size)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     _close(y, _ref_bf16_weights(x, qw), 8e-3)  # float32 sums; the output rounded to bf16
+
+
+@needs_tiles
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("gs", [32, 64, 128, 256, -1])
+def test_gemv_matches_float64(m, gs):
+    """The few-rows kernel never rounds the weight: float64 product of the exact dequantized weight (bf16 scales),
+    to the bf16 rounding of the output; also a wide K (14,336: Llama-3.1-8B's down projection, 112 groups)."""
+    n, k = 96, 768 if gs != -1 else 256
+    qw = _qw(n, k, gs, seed=7 * m + (gs % 991))
+    qw.scales = qw.scales.to(torch.bfloat16)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    h = TorchBackend("cpu").prepare_w4a16(qw, torch.bfloat16)
+    y = ext.w4a16_tiles_gemv(x, *h.tiles, qw.effective_group_size)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _close(y, _ref(x, qw), 5e-3)
+    if m == 1 and gs == 128:
+        qw = _qw(64, 14336, 128, seed=5)
+        qw.scales = qw.scales.to(torch.bfloat16)
+        x = torch.randn(2, 14336).bfloat16()
+        h = TorchBackend("cpu").prepare_w4a16(qw, torch.bfloat16)
+        _close(ext.w4a16_tiles_gemv(x, *h.tiles, 128), _ref(x, qw), 5e-3)
+
+
+@needs_tiles
+def test_gemv_refuses_bad_inputs():
+    h = TorchBackend("cpu").prepare_w4a16(_qw(64, 576, 64, seed=1), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ext.w4a16_tiles_gemv(torch.randn(1, 576), *h.tiles, 64)
+    with pytest.raises(RuntimeError, match="x has 512 input channels, the weight 576"):
+        ext.w4a16_tiles_gemv(torch.randn(1, 512).bfloat16(), *h.tiles, 64)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ext.w4a16_tiles_gemv(torch.randn(1, 576).bfloat16(), *h.tiles, 36)
 
 
 @needs_tiles
@@ -94,23 +129,26 @@ def test_tiled_kernel_refuses_bad_inputs():
 @pytest.mark.parametrize("m", [1, 5, 6, 17, 300])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_backend_linear_picks_the_kernel_by_rows(m, act_order):
-    """From ``tiles_min_rows`` (6) rows the tiled kernel, below torch's int4pack; act-order through the input
-    permutation, bias added; float32 engines keep the nibble copy (the tiled kernel is bf16 only)."""
+    """From ``tiles_min_rows`` (6) rows the tiled kernel, below it the GEMV on the same copy; act-order through the
+    input permutation, bias added; float32 engines keep int4pack and the nibble copy (the kernels are bf16 only);
+    ``batch_invariant`` runs the tiled kernel for every row count."""
     qw = _qw(96, 640, 64, seed=m, act_order=act_order)
     qw.bias = torch.randn(96)
     be = TorchBackend("cpu")
     h = be.prepare_w4a16(qw, torch.bfloat16)
-    assert h.tiles is not None and (h.in_perm is not None) == act_order
+    assert isinstance(h, W4TilesHandle) and (h.in_perm is not None) == act_order
     x = torch.randn(m, 640).to(torch.bfloat16)
-    calls = []
-    real = be.ext
-    be.ext = type("Spy", (), {"w4a16_tiles_mm": lambda self, *a: calls.append(1) or real.w4a16_tiles_mm(*a)})()
-    y = be.w4a16_linear(x, h)
-    be.ext = real
-    assert bool(calls) == (m >= be.tiles_min_rows) and y.dtype == torch.bfloat16
-    _close(y.float(), _ref(x, qw) + qw.bias.double(), 1e-2)
-    assert be.prepare_w4a16(qw, torch.float32).tiles is None
-    assert TorchBackend("cpu", batch_invariant=True).tiles_min_rows > 1 << 40
+    for b, want in ((be, "mm" if m >= be.tiles_min_rows else "gemv"), (TorchBackend("cpu", batch_invariant=True), "mm")):
+        calls = []
+        real = b.ext
+        b.ext = type("Spy", (), {
+            "w4a16_tiles_mm": lambda self, *a: calls.append("mm") or real.w4a16_tiles_mm(*a),
+            "w4a16_tiles_gemv": lambda self, *a: calls.append("gemv") or real.w4a16_tiles_gemv(*a)})()
+        y = b.w4a16_linear(x, h)
+        b.ext = real
+        assert calls == [want] and y.dtype == torch.bfloat16
+        _close(y.float(), _ref(x, qw) + qw.bias.double(), 1e-2)
+    assert isinstance(be.prepare_w4a16(qw, torch.float32), Int4PackHandle)
 
 
 def test_fallback_without_the_extension(monkeypatch):
@@ -121,7 +159,7 @@ def test_fallback_without_the_extension(monkeypatch):
     be = TorchBackend("cpu")
     assert be.ext is None
     h = be.prepare_w4a16(qw, torch.bfloat16)
-    assert type(h).__name__ == "Int4PackHandle" and h.tiles is None and h.nibbles is not None
+    assert isinstance(h, Int4PackHandle) and h.nibbles is not None
     for m in (5, 300):  # int4pack, then dequantize + matmul
         x = torch.randn(m, 576).bfloat16()
         _close(be.w4a16_linear(x, h).float(), _ref(x, qw), 1e-2)
@@ -141,7 +179,7 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch):
         assert cpu_ext.load() is None  # remembered: no second warning
     be = TorchBackend("cpu")
     assert be.ext is None
-    assert be.prepare_w4a16(_qw(64, 576, 64, seed=1), torch.bfloat16).tiles is None
+    assert isinstance(be.prepare_w4a16(_qw(64, 576, 64, seed=1), torch.bfloat16), Int4PackHandle)
 
 
 def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch, capsys):
@@ -196,11 +234,18 @@ def test_a_damaged_cached_build_is_rebuilt(tmp_path):
 
 @pytest.mark.parametrize("shape", [(64, 576, 32), (48, 96, 32)])
 def test_layouts_the_kernel_cannot_take_keep_the_nibbles(shape):
-    """out_features not a multiple of 32 (48) keeps the nibble copy for many rows; 64 x 576 takes the tiles."""
+    """out_features not a multiple of 32 (48) keeps int4pack and the nibble copy; 64 x 576 takes the tiles; the
+    planner's bytes (``linear_nbytes``) are those of the layout the backend picks."""
+    from backends.types import LinearSpec
+
     n, k, gs = shape
     h = TorchBackend("cpu").prepare_w4a16(_qw(n, k, gs, seed=2), torch.bfloat16)
     tiles = n % 32 == 0 and ext is not None and ext.has_w4_tiles()
-    assert (h.tiles is not None) == tiles and (h.nibbles is not None) == (not tiles)
+    assert isinstance(h, W4TilesHandle if tiles else Int4PackHandle)
+    held = (sum(t.nbytes for t in h.tiles) if tiles else
+            sum(t.nbytes for t in (h.packed, h.scale_zeros, h.nibbles, h.scales, h.scaled_zeros)))
+    spec = LinearSpec(out_features=n, in_features=k, bits=4, group_size=gs)
+    assert TorchBackend.linear_nbytes(spec, torch.bfloat16, "cpu") == held
 
 
 # --- fused per-token ops and decode attention ---------------------------------------------------------------------
@@ -449,3 +494,14 @@ def test_float32_w4a16_dequantizes_instead_of_int4pack(monkeypatch):
         x = torch.randn(1, 576)
         _close(be.w4a16_linear(x, h), _ref(x, qw), 2e-5)
         assert bool(calls) == invariant
+
+
+@needs_tiles
+def test_tiles_dequantize_back_to_the_weight():
+    """dequantize_tiles inverts pack_w4_tiles: the exact (q - z) * s of the checkpoint (bf16 scales)."""
+    from backends.torch_backend import dequantize_tiles
+
+    qw = _qw(64, 256, 32, seed=9)
+    qw.scales = qw.scales.to(torch.bfloat16)
+    h = TorchBackend("cpu").prepare_w4a16(qw, torch.bfloat16)
+    assert torch.equal(dequantize_tiles(h, torch.float64), qw.dequantize(torch.float64))

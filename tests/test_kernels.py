@@ -13,9 +13,11 @@ import torch
 
 from backends import get_backend
 from backends.kv_cache import KVCacheSpec, KVQuantParams
-from backends.torch_backend import DequantHandle, Int4PackHandle, TorchBackend, _int8_tiled_mm
+from backends.torch_backend import DequantHandle, Int4PackHandle, TorchBackend, W4TilesHandle, _int8_tiled_mm
 from backends.types import AttentionMetadata, QuantizedWeight
 from lite.rtn import quantize_rtn
+
+PACKED = (Int4PackHandle, W4TilesHandle)  # a CPU kernel holds the weight (the C++ one on AVX-512 BF16 in bf16)
 
 from conftest import kv_dequant_ref_f64, usable_backends
 
@@ -93,9 +95,9 @@ def test_w4a16_linear_matches_f64_reference(int4_kernel, dtype, shape, bias):
     be = TorchBackend("cpu", int4_kernel=int4_kernel)
     handle = be.prepare_w4a16(qw, dtype)
     if int4_kernel and out_f % 16 == 0:
-        assert isinstance(handle, Int4PackHandle), "int4pack kernel should take this trivial layout"
+        assert isinstance(handle, PACKED), "int4pack kernel should take this trivial layout"
     elif int4_kernel:  # the CPU packer tiles N by 16: other widths must fall back, not crash
-        assert not isinstance(handle, Int4PackHandle)
+        assert not isinstance(handle, PACKED)
     else:
         assert isinstance(handle, DequantHandle)
 
@@ -122,7 +124,7 @@ def test_w4a16_explicit_trivial_g_idx(int4_kernel, dtype):
     assert qw.has_trivial_g_idx()
     be = TorchBackend("cpu", int4_kernel=int4_kernel)
     handle = be.prepare_w4a16(qw, dtype)
-    assert isinstance(handle, Int4PackHandle if int4_kernel else DequantHandle)
+    assert isinstance(handle, PACKED if int4_kernel else DequantHandle)
     w_ref = _dense_ref_f64(qw.qweight, qw.qzeros, qw.scales, g_idx.tolist())
     x = torch.randn(3, in_f, generator=torch.Generator().manual_seed(12)).to(dtype)
     _assert_close_rel(be.w4a16_linear(x, handle), x.double() @ w_ref.T, TOL[dtype])
@@ -139,7 +141,7 @@ def test_w4a16_act_order_g_idx_matches(int4_kernel, dtype):
     be = TorchBackend("cpu", int4_kernel=int4_kernel)
     handle = be.prepare_w4a16(qw, dtype)
     # int4pack takes act-order through an input permutation (groups of equal size); else dequant fallback
-    assert isinstance(handle, Int4PackHandle if int4_kernel else DequantHandle)
+    assert isinstance(handle, PACKED if int4_kernel else DequantHandle)
     w_ref = _dense_ref_f64(qw.qweight, qw.qzeros, qw.scales, g_idx.tolist())
     gen = torch.Generator().manual_seed(22)
     for batch in (1, 17, be.dequant_min_rows):

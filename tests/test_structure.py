@@ -299,3 +299,16 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(1 if main() else 0)
+
+
+def test_no_bench_script_shadows_an_installed_module():
+    """Running a ``bench/`` script puts ``bench/`` first on ``sys.path``: a script named like an installed top-level
+    module (``bench/kernels.py`` vs the ``kernels`` package transformers imports) replaces it in every import."""
+    import importlib.metadata
+    import sys
+
+    installed = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert scripts, "bench/ has no scripts"
+    clash = sorted(scripts & installed)
+    assert not clash, f"bench/ scripts named like installed modules (rename them): {clash}"

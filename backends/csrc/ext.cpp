@@ -4,6 +4,8 @@
 #include <tuple>
 
 bool has_w4_tiles();
+at::Tensor w4a16_tiles_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& zeros,
+                            const at::Tensor& scales, int64_t group_size);
 at::Tensor w4a16_tiles_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& zeros,
                           const at::Tensor& scales, int64_t group_size);
 at::Tensor lt_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -21,6 +23,8 @@ at::Tensor lt_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, co
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_tiles_mm", &w4a16_tiles_mm,
         "W4A16 GEMM for many rows: bf16 x [M, K] x tile-packed 4-bit weight -> bf16 [M, N] (w4a16_gemm_cpu.cpp)");
+  m.def("w4a16_tiles_gemv", &w4a16_tiles_gemv,
+        "W4A16 for a few rows: bf16 x [M, K] x the same tile-packed weight, codes read in place -> bf16 [M, N]");
   m.def("has_w4_tiles", &has_w4_tiles, "whether w4a16_tiles_mm was compiled in (AVX-512 BF16)");
   m.def("rms_norm", &lt_rms_norm, "RMSNorm over the last dim (ops_cpu.cpp)");
   m.def("add_rms_norm", &lt_add_rms_norm, "residual add + RMSNorm -> (normed, sum)");

@@ -12,7 +12,7 @@
   quantize in a kernel (bit-identical to :func:`~backends.kv_cache.quantize_per_token`).
 - RMSNorm (fused with the residual add) and SiLU-and-mul run as kernels on rows with a contiguous last dim.
 
-The crossover and split-K choices are heuristics not yet tuned on a GPU (`bench/kernels.py` measures them;
+The crossover and split-K choices are heuristics not yet tuned on a GPU (`bench/kernel_choices.py` measures them;
 `bench/gpu.sh` runs it on a lent GPU).
 """
 from __future__ import annotations

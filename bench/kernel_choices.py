@@ -1,13 +1,13 @@
 """Kernels timed side by side: the torch backend's CPU choices, and the W4A16 GEMM / paged decode attention of the
 backend in use on Llama-3-8B shapes (microseconds per call, achieved GB/s).
 
-    python bench/kernels.py [--suite all|choices|llama3] [--device auto] [--backend auto] [--threads 2] [--json]
+    python bench/kernel_choices.py [--suite all|choices|llama3] [--device auto] [--backend auto] [--threads 2] [--json]
 
 ``choices`` (CPU, SmolLM2's shapes, the torch backend's switches):
 
 1. W4A16 linear: ``aten._weight_int4pack_mm_for_cpu`` vs dequantize + bf16 GEMM vs liteturbo's C++ tiled W4A16
-   GEMM (when the extension builds with AVX-512 BF16), by rows (where ``TorchBackend.tiles_min_rows`` and
-   ``dequant_min_rows`` should sit).
+   GEMM and its GEMV (up to 8 rows; both when the extension builds with AVX-512 BF16), by rows (where
+   ``TorchBackend.tiles_min_rows`` and ``dequant_min_rows`` should sit).
 2. int8 ``lm_head`` (49152 x 576): ``aten._weight_int8pack_mm`` vs the tiled dequantize + GEMM vs the dense bf16
    table (what a head tied to the embeddings uses from ``TorchBackend.dense_lm_head_min_rows``), by rows.
 3. Decode attention (one query per sequence, SmolLM2 heads, bf16): CPU ``scaled_dot_product_attention`` (with a
@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 import common  # noqa: F401  (puts the repository on sys.path)
 from backends import KVCacheSpec, get_backend
-from backends.torch_backend import _int8_tiled_mm, dequantize_nibbles, pack_int4_for_cpu
+from backends.torch_backend import (W4TilesHandle, _int8_tiled_mm, dequantize_nibbles, dequantize_tiles,
+                                    pack_int4_for_cpu)
 from backends.types import AttentionMetadata, QuantizedWeight
 
 
@@ -69,6 +70,8 @@ def dense_dequant(backend, handle, dtype):
         k = backend.kernels
         return lambda: k.dequantize_w4(handle.qweight, handle.scales, handle.zeros, handle.group_size, handle.n,
                                        handle.k, dtype, handle.g_idx).t()
+    if isinstance(handle, W4TilesHandle):
+        return lambda: dequantize_tiles(handle, dtype)
     if hasattr(handle, "nibbles"):
         return lambda: dequantize_nibbles(handle)
     return lambda: handle.qw.dequantize(dtype)
@@ -166,8 +169,9 @@ def choices_suite(threads: int) -> dict:
             a = timed(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, h.packed, g, h.scale_zeros), reps)
             b = timed(lambda: F.linear(x, dequantize_nibbles(h)), reps)
             c = timed(lambda: ext.w4a16_tiles_mm(x, *tiles, g), reps) if tiles else float("nan")
+            d = timed(lambda: ext.w4a16_tiles_gemv(x, *tiles, g), reps) if tiles and rows <= 8 else float("nan")
             res["w4a16"].append({"out": n_out, "in": k, "rows": rows, "int4pack_us": a, "dequant_gemm_us": b,
-                                 "tiles_us": c})
+                                 "tiles_us": c, "gemv_us": d})
 
     n_vocab, k = 49152, 576
     q = torch.randint(-127, 128, (n_vocab, k), dtype=torch.int8, generator=gen)
@@ -208,10 +212,11 @@ def choices_suite(threads: int) -> dict:
 
 def print_choices(res: dict) -> None:
     print(f"torch backend kernel choices, bf16, {res['threads']} threads (microseconds per call)")
-    print(f"{'W4A16 out x in':>16} {'rows':>5} {'int4pack':>10} {'dequant+GEMM':>13} {'C++ tiles':>10}")
+    print(f"{'W4A16 out x in':>16} {'rows':>5} {'int4pack':>10} {'dequant+GEMM':>13} {'C++ tiles':>10} "
+          f"{'C++ GEMV':>9}")
     for r in res["w4a16"]:
         print(f"{r['out']:>9} x {r['in']:<4} {r['rows']:>5} {r['int4pack_us']:>10.0f} {r['dequant_gemm_us']:>13.0f} "
-              f"{r['tiles_us']:>10.0f}")
+              f"{r['tiles_us']:>10.0f} {r['gemv_us']:>9.0f}")
     print(f"{'int8 lm_head rows':>22} {'int8pack':>10} {'tiled':>10} {'dense bf16':>11}")
     for r in res["int8_lm_head"]:
         print(f"{r['rows']:>22} {r['int8pack_us']:>10.0f} {r['tiled_dequant_gemm_us']:>10.0f} "
