@@ -239,9 +239,12 @@ class TorchBackend(Backend):
         return {
             **super().op_coverage(platform),
             "linear": "torch F.linear",
-            "w4a16_linear": (("bf16 on AVX-512 BF16 CPUs: liteturbo's C++ W4A16 kernels over one packed copy (up to 5 "
-                              "rows codes read in place, from 6 rows tiles dequantized once per call); else " + int4
-                              + ", dequantize + matmul for many rows or layouts int4pack cannot take") if ext
+            "w4a16_linear": (("bf16: liteturbo's C++ W4A16 kernels (AVX-512 BF16) over one packed copy (up to 5 rows "
+                              "codes read in place, from 6 rows tiles dequantized once per call); float32 or layouts "
+                              "they cannot take: " + int4 + ", dequantize + matmul for many rows")
+                             if ext and cpu_ext.w4_tiles_expected() else
+                             (int4 + " for up to 5 rows, dequantize + matmul for many rows or layouts int4pack cannot "
+                              "take") if ext
                              else (int4 + "; dequantize + matmul for many rows or layouts it cannot take") if cpu
                              else "dequantize + matmul"),
             "w8a16_linear": ("torch int8pack kernel (aten._weight_int8pack_mm, 16-bit activations); tiled "

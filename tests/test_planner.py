@@ -95,8 +95,16 @@ def test_linear_nbytes_equals_prepared_handle(case, dtype):
 
 
 def test_cpu_int4pack_holds_one_byte_per_weight_and_triton_half():
+    """CPU bf16 with the C++ W4A16 kernels: one packed copy (half a byte per weight, int16 zero + bf16 scale per
+    group); float32 or without them: int4pack + nibbles (1 byte per weight, 4 values per group in the dtype)."""
+    from backends import cpu_ext
+
     spec = LinearSpec(4096, 4096, bits=4, group_size=128)
-    assert TorchBackend.linear_nbytes(spec, torch.bfloat16, "cpu") == 4096 * 4096 + 4 * 32 * 4096 * 2
+    tiles = 4096 * 4096 // 2 + 4 * 32 * 4096
+    int4pack = 4096 * 4096 + 4 * 32 * 4096 * 2
+    want = tiles if cpu_ext.w4_tiles_expected() else int4pack
+    assert TorchBackend.linear_nbytes(spec, torch.bfloat16, "cpu") == want
+    assert TorchBackend.linear_nbytes(spec, torch.float32, "cpu") == 4096 * 4096 + 4 * 32 * 4096 * 4
     trit = backend_classes()["triton"]
     assert trit.linear_nbytes(spec, torch.bfloat16, "cuda") == 4096 * 4096 // 2 + 32 * 4096 * 3
     # off the CPU the torch reference keeps canonical uint8 codes + uint8 zeros + float16 scales

@@ -328,7 +328,10 @@ def test_rocm_prefers_triton_when_it_can_run(rocm, monkeypatch):
 def test_torch_op_coverage_names_every_op():
     cpu = TorchBackend.op_coverage(current_platform("cpu"))
     assert set(cpu) == OPS
-    assert cpu["w4a16_linear"].startswith("torch int4pack kernel (aten._weight_int4pack_mm_for_cpu)")
+    from backends import cpu_ext
+
+    assert "torch int4pack kernel (aten._weight_int4pack_mm_for_cpu)" in cpu["w4a16_linear"]
+    assert ("liteturbo's C++ W4A16 kernels" in cpu["w4a16_linear"]) == cpu_ext.w4_tiles_expected()
     gpu = TorchBackend.op_coverage(Platform("rocm", torch.device("cpu"), "stand-in", GiB))
     assert gpu["w4a16_linear"] == "dequantize + matmul" and gpu["w8a16_linear"] == "dequantize + matmul"
 
