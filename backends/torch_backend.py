@@ -161,6 +161,7 @@ def dequantize_tiles(h: W4TilesHandle, dtype: torch.dtype = torch.float32) -> to
     codes = codes.permute(0, 2, 3, 1, 4, 5).reshape(n, k)
 
     def per_channel(t: torch.Tensor) -> torch.Tensor:
+        """``[out/32, G, 2, 16]`` lanes -> float32 ``[out, in]`` (each group's value repeated over its inputs)."""
         return t.permute(0, 2, 3, 1).reshape(n, -1).float().repeat_interleave(h.group_size, dim=1)
     return ((codes.float() - per_channel(zeros)) * per_channel(scales)).to(dtype)
 
