@@ -258,6 +258,8 @@ def test_npu_detection_end_to_end_in_a_subprocess():
         mod = types.ModuleType("torch_npu"); mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
         mod.__version__ = "2.5.1.standin"
         sys.modules["torch_npu"] = mod
+        torch.cuda.is_available = lambda: False  # an Ascend host has no CUDA device (this test also runs on GPUs)
+        torch.cuda.device_count = lambda: 0
         torch.utils.rename_privateuse1_backend("npu")
         torch._register_device_module("npu", types.SimpleNamespace(
             is_available=lambda: True, device_count=lambda: 1, get_device_name=lambda i=0: "Ascend910B3",

@@ -6,7 +6,9 @@ convention: ``x·cos + rotate_half(x)·sin``) and, for a 16/32-bit cache, stores
 slots of the cache's head-major ``[KVH, slots, D]`` layout in the same program; for an int8/int4 cache it returns the
 rotated keys for the quantizing write. q, k, v may be strided views of the fused QKV output (last dim contiguous).
 Each product and the sum are rounded to the activation dtype as torch's elementwise ops round them, so the result
-is bit-identical to :meth:`backends.base.Backend.rotary` + :meth:`~backends.kv_cache.PagedKVCache.write`.
+is bit-identical to :meth:`backends.base.Backend.rotary` + :meth:`~backends.kv_cache.PagedKVCache.write` (compiled
+with ``enable_fp_fusion=False``: on a GPU, ptxas would otherwise contract a float32 product and sum into one FMA, one
+rounding where torch makes two; seen on an H200, 1-ulp differences in a quarter of the elements).
 """
 from __future__ import annotations
 
@@ -98,5 +100,5 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos2.stride(0),
         k_cache.shape[1] if write else 0,
         H=h, KVH=kvh, HALF=half, HALF_PAD=_k._next_pow2(half), H_PAD=_k._next_pow2(h), KVH_PAD=_k._next_pow2(kvh),
-        WRITE=write)
+        WRITE=write, enable_fp_fusion=False)  # no FMA contraction: products and sums rounded as torch rounds them
     return q_out, k_out
