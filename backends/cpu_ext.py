@@ -9,7 +9,10 @@ keyed by the sources, the flags, torch's version and the CPU's flags, so a later
 When compiling is impossible (no compiler, no ninja, a failed build) :func:`load` warns once and returns ``None``,
 and the torch backend keeps its pure-torch kernels. ``LITETURBO_CPU_EXT=0`` turns the extension off.
 
-:func:`pack_w4_tiles` builds the weight layout the W4A16 kernels read (see ``backends/csrc/w4a16_gemm_cpu.cpp``).
+:func:`pack_w4_tiles` builds the weight layout the W4A16 kernels read (see ``backends/csrc/w4a16_gemm_cpu.cpp``);
+:func:`unpack_nibbles_t` unpacks int32-packed 4-bit checkpoints (AWQ) to codes; both in one parallel pass of
+``backends/csrc/w4_pack_cpu.cpp`` where the extension is ready (:func:`ready`: loaded or cached, never compiled for
+them), else with torch ops.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ import torch
 from .platform import liteturbo_home
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC / "ext.cpp", _CSRC / "w4a16_gemm_cpu.cpp", _CSRC / "ops_cpu.cpp", _CSRC / "attention_cpu.cpp"]
+_SOURCES = [_CSRC / "ext.cpp", _CSRC / "w4a16_gemm_cpu.cpp", _CSRC / "w4_pack_cpu.cpp", _CSRC / "ops_cpu.cpp",
+            _CSRC / "attention_cpu.cpp"]
 _HEADERS = [_CSRC / "avx512_math.h"]  # part of the cache key, not compiled on their own
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]  # no FMA contraction: round as torch does
 _lock = threading.Lock()
@@ -59,7 +63,7 @@ def build_dir() -> Path:
 def load():
     """The compiled module, or ``None`` when disabled or when it cannot be built here (warned once, with the reason
     and the fallback). Functions: ``w4a16_tiles_gemv``, ``w4a16_tiles_mm``, ``has_w4_tiles``
-    (``csrc/w4a16_gemm_cpu.cpp``); ``rms_norm``,
+    (``csrc/w4a16_gemm_cpu.cpp``); ``unpack_nibbles_t``, ``pack_w4_tiles_codes`` (``csrc/w4_pack_cpu.cpp``); ``rms_norm``,
     ``add_rms_norm``, ``silu_and_mul``, ``rotary``, ``rotary_kv_write`` (``csrc/ops_cpu.cpp``); ``paged_attention``
     (``csrc/attention_cpu.cpp``).
 
@@ -82,6 +86,30 @@ def load():
             module = None
         _state["module"] = module
         return module
+
+
+def ready():
+    """The compiled module when it is loaded in this process or cached for this machine (loads in milliseconds),
+    else ``None``: never compiles. For load-time helpers (repacking) that have a torch fallback and must not make a
+    ``lite`` command wait for a first build."""
+    if not enabled():
+        return None
+    if "module" in _state:
+        return _state["module"]
+    try:
+        return load() if _built(build_dir()) else None
+    except Exception:
+        return None
+
+
+def unpack_nibbles_t(packed: torch.Tensor, order) -> torch.Tensor | None:
+    """int32 ``[R, C]`` words of 8 nibbles → uint8 codes ``[C*8, R]`` (the unpacked matrix transposed), column
+    ``c*8 + j`` from nibble position ``order[j]`` of word ``c``, in one parallel C++ pass; ``None`` where the
+    extension is not ready (the caller keeps its torch path)."""
+    ext = ready()
+    if ext is None or packed.device.type != "cpu" or packed.dtype != torch.int32 or packed.dim() != 2:
+        return None
+    return ext.unpack_nibbles_t(packed, torch.as_tensor(list(order), dtype=torch.int64))
 
 
 def status() -> str:
@@ -181,8 +209,12 @@ def pack_w4_tiles(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
     if n % 32 or k % 4:
         raise ValueError(f"the tiled W4A16 layout needs out_features % 32 == 0 and in_features % 4 == 0, got {n}x{k}")
     g = zeros.shape[1]
-    c = codes.to(torch.uint8).view(n // 32, 2, 16, k // 4, 2, 2)  # [block, sub-block, channel, quad, high, pair]
-    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 3, 1, 2, 4).reshape(n // 32, k // 4, 64).contiguous()
+    ext = ready()
+    if ext is not None and codes.device.type == "cpu":  # one parallel pass (csrc/w4_pack_cpu.cpp)
+        packed = ext.pack_w4_tiles_codes(codes.to(torch.uint8))
+    else:
+        c = codes.to(torch.uint8).view(n // 32, 2, 16, k // 4, 2, 2)  # [block, sub-block, channel, quad, high, pair]
+        packed = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 3, 1, 2, 4).reshape(n // 32, k // 4, 64).contiguous()
 
     def lanes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``[N, G]`` → ``[N/32, G, 2, 16]`` (per channel block and group, the two sub-blocks' 16 channels)."""

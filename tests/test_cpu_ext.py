@@ -505,3 +505,57 @@ def test_tiles_dequantize_back_to_the_weight():
     qw.scales = qw.scales.to(torch.bfloat16)
     h = TorchBackend("cpu").prepare_w4a16(qw, torch.bfloat16)
     assert torch.equal(dequantize_tiles(h, torch.float64), qw.dequantize(torch.float64))
+
+
+# --- load-time repacking (csrc/w4_pack_cpu.cpp) ------------------------------------------------------------------
+def _torch_pack_codes(c: torch.Tensor) -> torch.Tensor:
+    """The tiled layout's packed codes with torch ops (the definition, written out independently of cpu_ext)."""
+    n, k = c.shape
+    out = torch.empty(n // 32, k // 4, 64, dtype=torch.uint8)
+    for nb in range(n // 32):
+        for i in range(32):  # sub-block * 16 + channel
+            row = c[nb * 32 + i].view(k // 4, 4)
+            out[nb, :, 2 * i] = row[:, 0] | (row[:, 2] << 4)
+            out[nb, :, 2 * i + 1] = row[:, 1] | (row[:, 3] << 4)
+    return out
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(32, 4), (64, 12), (96, 260)])
+def test_pack_w4_tiles_codes_matches_the_definition(shape):
+    c = torch.randint(0, 16, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(shape[1]))
+    assert torch.equal(ext.pack_w4_tiles_codes(c), _torch_pack_codes(c))
+    assert torch.equal(ext.pack_w4_tiles_codes(c.t().contiguous().t()), _torch_pack_codes(c))  # strided input
+    with pytest.raises(RuntimeError, match="N % 32 == 0 and K % 4 == 0"):
+        ext.pack_w4_tiles_codes(c[:, :shape[1] - 1])
+    with pytest.raises(RuntimeError, match="uint8"):
+        ext.pack_w4_tiles_codes(c.to(torch.int32))
+
+
+@needs_ext
+@pytest.mark.parametrize("rc", [(1, 1), (5, 3), (64, 16), (130, 37)])
+def test_unpack_nibbles_t_matches_the_awq_reference(rc):
+    """AWQ GEMM qweight [K, N/8] -> codes [N, K] in one pass equals the torch path (unpack, reorder, transpose),
+    words with the sign bit set included."""
+    from lite.formats.awq import AWQ_REVERSE_ORDER, unpack_awq_int32
+
+    p = torch.randint(-2**31, 2**31 - 1, rc, dtype=torch.int32, generator=torch.Generator().manual_seed(rc[0]))
+    got = cpu_ext.unpack_nibbles_t(p, AWQ_REVERSE_ORDER)
+    assert torch.equal(got, unpack_awq_int32(p, 4).t().contiguous())
+    nib = [(int(p[0, 0]) >> (4 * j)) & 15 for j in range(8)]  # word (0, 0) by hand: column j from nibble order[j]
+    assert [int(got[j, 0]) for j in range(8)] == [nib[o] for o in AWQ_REVERSE_ORDER]
+    with pytest.raises(RuntimeError, match="outside 0..7"):
+        ext.unpack_nibbles_t(p, torch.tensor([0, 1, 2, 3, 4, 5, 6, 8]))
+
+
+@needs_ext
+def test_pack_w4_tiles_is_the_same_with_and_without_the_extension(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (64, 256), dtype=torch.uint8, generator=g)
+    zeros = torch.randint(0, 16, (64, 2), dtype=torch.uint8, generator=g)
+    scales = torch.rand(64, 2, generator=g)
+    fast = cpu_ext.pack_w4_tiles(codes, zeros, scales)
+    monkeypatch.setattr(cpu_ext, "ready", lambda: None)
+    slow = cpu_ext.pack_w4_tiles(codes, zeros, scales)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    assert cpu_ext.unpack_nibbles_t(torch.zeros(2, 2, dtype=torch.int32), range(8)) is None  # not ready: torch path

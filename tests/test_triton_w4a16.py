@@ -263,3 +263,25 @@ def test_config_table_defaults_and_overrides(w4, tmp_path):
     assert w4.m_bucket(3) == 4 and w4.m_bucket(1000) == 128
     assert w4.choose_split(32, 4096, 128, 132) == 16 and w4.choose_split(32, 4096, 128, 1) == 1
     assert w4.choose_split(4, 256, 128, 132, split=9) == 2  # never more splits than K tiles
+
+
+def test_shipped_table_entries_are_launchable(w4):
+    """Every entry of w4a16_configs.json (the GPU-tuned shapes) has known keys with values the kernels take, and the
+    plan's built-in defaults are the table's (a missing or unreadable table changes nothing)."""
+    from backends.triton import w4a16_plan
+
+    table = w4.load_configs()
+    assert w4a16_plan._DEFAULT_GEMV == table["default"]["gemv"] and w4a16_plan._DEFAULT_DOT == table["default"]["dot"]
+    assert int(table["gemv_max_m"]) == 1
+    allowed = {"kind", "block_m", "block_n", "block_k", "num_warps", "num_stages", "split_k"}
+    pow2 = {1, 2, 4, 8, 16, 32, 64, 128, 256}
+    assert table["shapes"], "the table lists GPU-tuned shapes"
+    for shape, buckets in table["shapes"].items():
+        n, k = map(int, shape.split(","))
+        for mb, cfg in buckets.items():
+            assert int(mb) in w4.M_BUCKETS and set(cfg) <= allowed, (shape, mb, cfg)
+            assert cfg.get("kind", "dot") in ("gemv", "dot") and cfg["block_n"] in pow2 and cfg["block_k"] in pow2
+            assert cfg["num_warps"] in (1, 2, 4, 8) and 1 <= cfg["num_stages"] <= 4 and 0 <= cfg["split_k"] <= 64
+            p = w4.launch_params(int(mb), n, k, 128, sms=132)
+            assert p["kind"] == cfg["kind"] and p["block_n"] == cfg["block_n"]
+            assert p["split"] * p["k_per_split"] >= k and p["block_k"] <= w4.TILE_K

@@ -8,6 +8,8 @@ at::Tensor w4a16_tiles_gemv(const at::Tensor& x, const at::Tensor& packed, const
                             const at::Tensor& scales, int64_t group_size);
 at::Tensor w4a16_tiles_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& zeros,
                           const at::Tensor& scales, int64_t group_size);
+at::Tensor lt_unpack_nibbles_t(const at::Tensor& packed, const at::Tensor& order);
+at::Tensor lt_pack_w4_tiles_codes(const at::Tensor& codes);
 at::Tensor lt_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> lt_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                    const at::Tensor& weight, double eps);
@@ -26,6 +28,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_tiles_gemv", &w4a16_tiles_gemv,
         "W4A16 for a few rows: bf16 x [M, K] x the same tile-packed weight, codes read in place -> bf16 [M, N]");
   m.def("has_w4_tiles", &has_w4_tiles, "whether w4a16_tiles_mm was compiled in (AVX-512 BF16)");
+  // load-time repacking runs without the GIL: the engine loads the tokenizer on another thread meanwhile
+  m.def("unpack_nibbles_t", &lt_unpack_nibbles_t,
+        "int32 [R, C] of 8 nibbles -> uint8 codes [C*8, R], column c*8+j from nibble order[j] (w4_pack_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("pack_w4_tiles_codes", &lt_pack_w4_tiles_codes,
+        "uint8 codes [N, K] -> the packed codes [N/32, K/4, 64] of the tiled W4A16 layout (w4_pack_cpu.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &lt_rms_norm, "RMSNorm over the last dim (ops_cpu.cpp)");
   m.def("add_rms_norm", &lt_add_rms_norm, "residual add + RMSNorm -> (normed, sum)");
   m.def("silu_and_mul", &lt_silu_and_mul, "silu(gate) * up for gate_up [T, 2I]");

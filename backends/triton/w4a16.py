@@ -28,7 +28,8 @@ dtype, zero points uint8 ``[groups, N]``, both loaded as vectors along N, once p
 16-row tiles, the split from N and K), so a row's result does not depend on the rows batched with it.
 
 Configurations (block sizes, warps, stages, split, the GEMV/GEMM crossover) come from ``w4a16_configs.json`` beside
-this file, keyed by ``N,K`` and an ``M`` bucket, with defaults for shapes it does not list (a GPU run fills it).
+this file, keyed by ``N,K`` and an ``M`` bucket, with defaults for shapes it does not list (tuned on an H200 by
+``bench/w4a16_tune.py``: the GEMV serves M = 1, the tensor-core kernel from M = 2).
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def load_configs(path: str | None = None) -> dict:
 
 
 _DEFAULT_GEMV = {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 1, "split_k": 0}  # = the shipped table
-_DEFAULT_DOT = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 2, "split_k": 0}
+_DEFAULT_DOT = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "split_k": 0}  # = the shipped table
 
 
 _DEFAULT_DOT_FP32 = {"block_k": 32, "num_stages": 1}  # float32 activations: tl.dot in FMAs, smaller K tiles
@@ -88,7 +88,7 @@ def get_config(n: int, k: int, m: int, table: dict | None = None, kind: str | No
     ``default.dot_fp32`` on top of ``default.dot``)."""
     table = load_configs() if table is None else table
     if kind is None:
-        kind = "gemv" if m <= int(table.get("gemv_max_m", 2)) else "dot"
+        kind = "gemv" if m <= int(table.get("gemv_max_m", 1)) else "dot"
     cfg = dict(_DEFAULT_GEMV if kind == "gemv" else _DEFAULT_DOT)
     cfg.update(table.get("default", {}).get(kind, {}))
     if fp32 and kind == "dot":

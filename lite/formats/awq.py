@@ -73,7 +73,13 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     ``zero_point=False`` checkpoints store zeros anyway; AutoAWQ's symmetric mode uses ``2**(bits-1)``.
     Raises ``LiteturboError`` when shapes are inconsistent.
     """
-    codes = unpack_awq_int32(qweight, bits).t().contiguous()  # [N, K]
+    codes = None
+    if bits == 4:  # one parallel C++ pass (unpack, reorder and transpose) where the CPU kernels are ready
+        from backends.cpu_ext import unpack_nibbles_t
+
+        codes = unpack_nibbles_t(qweight, AWQ_REVERSE_ORDER)
+    if codes is None:
+        codes = unpack_awq_int32(qweight, bits).t().contiguous()  # [N, K]
     n, k = codes.shape
     gs = k if group_size == -1 else group_size
     if k % gs:

@@ -13,6 +13,7 @@ free after loading, less the workspace. What cannot fit is refused with the shor
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -309,10 +310,14 @@ def load_rank(config: EngineConfig, model: str | Path | None, rank: int = 0) -> 
     thread_control = rank_threads(fit, rank)
     check_fits_before_loading(fit, rank_free(fit))
     group = WorkerGroup(config, fit.path, fit.platform, load_rank) if rank == 0 and fit.shard is not None else None
+    # rank 0's tokenizer loads on a thread while the weights load: importing transformers is Python work (~3 s
+    # here) that overlaps the weight reads and C++ repacking instead of following them
+    pool = ThreadPoolExecutor(1, thread_name_prefix="liteturbo-tokenizer") if rank == 0 else None
+    tok_future = pool.submit(load_tokenizer, fit.path) if pool is not None else None
     try:
         llama = LlamaModel.from_pretrained(fit.path, fit.backend, fit.dtype, lm_head_int8=fit.lm_int8,
                                            shard=fit.shard)
-        tokenizer = load_tokenizer(fit.path) if rank == 0 else None
+        tokenizer = tok_future.result() if tok_future is not None else None
         kv_params = kv_calibration(fit, llama.cfg)
         num_blocks, workspace_bytes = pool_blocks(fit, rank_free(fit))
         if group is not None:
@@ -321,6 +326,9 @@ def load_rank(config: EngineConfig, model: str | Path | None, rank: int = 0) -> 
         if group is not None:
             group.close(graceful=False)
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     return RankLoad(fit, llama, kv_params, num_blocks, workspace_bytes, thread_control, tokenizer, group)
 
 
