@@ -97,9 +97,15 @@ class Backend(ABC):
     def prepare_w8a16(self, weight: torch.Tensor, dtype: torch.dtype) -> Any:
         """Quantize a dense weight ``[out, in]`` to int8 per output channel (symmetric, absmax) for
         :meth:`w8a16_linear`. Used for a weight-only int8 lm_head."""
-        w = weight.float()
-        scales = (w.abs().amax(1) / 127.0).clamp(min=1e-12)
-        q = torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8)
+        out, inp = weight.shape
+        q = torch.empty(out, inp, dtype=torch.int8, device=weight.device)
+        scales = torch.empty(out, dtype=torch.float32, device=weight.device)
+        step = max(1, (64 << 20) // max(1, 4 * inp))  # ~64 MB of float32 at a time: a 128k-vocab head in
+        for i in range(0, out, step):                 # float32 at once would add GBs to the load's peak memory
+            w = weight[i:i + step].float()
+            s = (w.abs().amax(1) / 127.0).clamp(min=1e-12)
+            q[i:i + step] = torch.clamp(torch.round(w / s[:, None]), -127, 127).to(torch.int8)
+            scales[i:i + step] = s
         return q.to(self.device).contiguous(), scales.to(self.device, dtype)
 
     def w8a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:

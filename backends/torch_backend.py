@@ -220,6 +220,9 @@ class TorchBackend(Backend):
             from . import cpu_ext
 
             self.ext = cpu_ext.load()
+        # the C++ int8 GEMV for 1-4 bf16 rows (the int8 lm_head of decode steps); not in batch-invariant mode, where
+        # every row count must take the same kernel (int8pack)
+        self._w8_gemv = self.ext is not None and bool(self.ext.has_w8_gemv())
         never = 1 << 62
         self.dequant_min_rows = never if batch_invariant else dequant_min_rows
         self.int8_tile_min_rows = never if batch_invariant else int8_tile_min_rows
@@ -248,8 +251,9 @@ class TorchBackend(Backend):
                               "take") if ext
                              else (int4 + "; dequantize + matmul for many rows or layouts it cannot take") if cpu
                              else "dequantize + matmul"),
-            "w8a16_linear": ("torch int8pack kernel (aten._weight_int8pack_mm, 16-bit activations); tiled "
-                             "dequantize + matmul for many rows" if cpu else "dequantize + matmul"),
+            "w8a16_linear": (("liteturbo C++ int8 GEMV for 1-4 bf16 rows (AVX-512), else " if cpu and ext else "")
+                             + ("torch int8pack kernel (aten._weight_int8pack_mm, 16-bit activations); tiled "
+                                "dequantize + matmul for many rows" if cpu else "dequantize + matmul")),
             "rms_norm": ("liteturbo C++ kernel (fused)" if ext else ref),
             "add_rms_norm": ("liteturbo C++ kernel (add fused with rms_norm)" if ext else
                              ref + " (unfused add, then rms_norm)"),
@@ -328,8 +332,13 @@ class TorchBackend(Backend):
         return F.linear(x, w, None if handle.bias is None else handle.bias.to(x.dtype))
 
     def w8a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
-        """``aten._weight_int8pack_mm`` for 16-bit CPU activations, else the generic path."""
+        """bf16, 1-4 rows: liteturbo's C++ int8 GEMV where compiled (AVX-512; ``csrc/w8a16_gemv_cpu.cpp``); else
+        ``aten._weight_int8pack_mm`` for 16-bit CPU activations (tiled dequantize + matmul from
+        ``int8_tile_min_rows``), else the generic path."""
         q, scales = handle
+        if (self._w8_gemv and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= 4
+                and not self.batch_invariant and q.shape[1] % 16 == 0 and q.is_contiguous()):
+            return self.ext.w8a16_gemv(x, q, scales)
         if self.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and hasattr(
                 torch.ops.aten, "_weight_int8pack_mm"):
             if x.shape[0] >= self.int8_tile_min_rows:

@@ -559,3 +559,59 @@ def test_pack_w4_tiles_is_the_same_with_and_without_the_extension(monkeypatch):
     slow = cpu_ext.pack_w4_tiles(codes, zeros, scales)
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
     assert cpu_ext.unpack_nibbles_t(torch.zeros(2, 2, dtype=torch.int32), range(8)) is None  # not ready: torch path
+
+
+# --- int8 GEMV (csrc/w8a16_gemv_cpu.cpp) ------------------------------------------------------------------------
+needs_w8 = pytest.mark.skipif(ext is None or not ext.has_w8_gemv(), reason="the C++ int8 GEMV needs AVX-512 here")
+
+
+@needs_w8
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k", [(7, 16), (130, 64), (1000, 576)])
+def test_w8a16_gemv_matches_float64(m, n, k):
+    """Against float64 of the bf16 inputs: within the float32 sum's error and one bf16 rounding of the output."""
+    g = torch.Generator().manual_seed(n + m)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+    s = (torch.rand(n, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    y = ext.w8a16_gemv(x, q, s)
+    ref = (x.double() @ q.double().T) * s.double()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    err = (y.double() - ref).abs()
+    assert (err <= ref.abs() * 2 ** -8 + 1e-4 * ref.abs().max()).all(), float(err.max())
+    # rows are independent of how many share the call
+    assert torch.equal(ext.w8a16_gemv(x[:1], q, s)[0], y[0])
+
+
+@needs_w8
+def test_w8a16_gemv_refuses_bad_inputs():
+    x = torch.randn(1, 32).to(torch.bfloat16)
+    q = torch.zeros(8, 32, dtype=torch.int8)
+    s = torch.ones(8)
+    for bad, msg in (((x.float(), q, s), "bfloat16"), ((torch.randn(5, 32).bfloat16(), q, s), "1-4 rows"),
+                     ((x, q.to(torch.int32), s), "int8"), ((x[:, :16], q, s), "columns"),
+                     ((torch.randn(1, 24).bfloat16(), torch.zeros(8, 24, dtype=torch.int8), s), "multiple of 16"),
+                     ((x, q, torch.ones(7)), "one value per output channel")):
+        with pytest.raises(RuntimeError, match=msg):
+            ext.w8a16_gemv(*bad)
+
+
+@needs_w8
+def test_backend_int8_lm_head_takes_the_gemv_for_few_rows(monkeypatch):
+    """TorchBackend.w8a16_linear: 1-4 bf16 rows on the C++ GEMV, more rows and batch-invariant mode on int8pack;
+    the two agree within a bf16 rounding."""
+    be, inv = TorchBackend("cpu"), TorchBackend("cpu", batch_invariant=True)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 64, generator=g)
+    h = be.prepare_w8a16(w, torch.bfloat16)
+    calls = []
+    real = be.ext
+    monkeypatch.setattr(be, "ext", type("Spy", (), {
+        "w8a16_gemv": lambda self, *a: calls.append("gemv") or real.w8a16_gemv(*a),
+        "__getattr__": lambda self, name: getattr(real, name)})())
+    for m in (1, 4, 5):
+        x = torch.randn(m, 64, generator=g).to(torch.bfloat16)
+        y = be.w8a16_linear(x, h)
+        y_inv = inv.w8a16_linear(x, h)
+        torch.testing.assert_close(y.float(), y_inv.float(), rtol=2 ** -7, atol=1e-3)
+    assert calls == ["gemv", "gemv"]  # m = 1 and 4; m = 5 took int8pack

@@ -85,18 +85,18 @@ def get_config(n: int, k: int, m: int, table: dict | None = None, kind: str | No
     """The table's launch configuration for ``M = m`` rows of an ``N x K`` weight: ``kind`` (``"gemv"`` up to
     ``gemv_max_m`` rows, else ``"dot"``, unless given) and block sizes, warps, stages, ``split_k`` (0: from the
     multiprocessor count); ``block_m`` only where the table sets it. ``fp32``: float32 activations (the table's
-    ``default.dot_fp32`` on top of ``default.dot``)."""
+    ``default.dot_fp32`` on top of ``default.dot`` and of the shape's entry: FMA dots want smaller K tiles)."""
     table = load_configs() if table is None else table
     if kind is None:
         kind = "gemv" if m <= int(table.get("gemv_max_m", 1)) else "dot"
     cfg = dict(_DEFAULT_GEMV if kind == "gemv" else _DEFAULT_DOT)
     cfg.update(table.get("default", {}).get(kind, {}))
-    if fp32 and kind == "dot":
-        cfg.update(_DEFAULT_DOT_FP32)
-        cfg.update(table.get("default", {}).get("dot_fp32", {}))
     shape = table.get("shapes", {}).get(f"{n},{k}", {}).get(str(m_bucket(m)), {})
     if shape.get("kind", kind) == kind:
         cfg.update(shape)
+    if fp32 and kind == "dot":  # after the shape entries, which were tuned for 16-bit activations
+        cfg.update(_DEFAULT_DOT_FP32)
+        cfg.update(table.get("default", {}).get("dot_fp32", {}))
     cfg["kind"] = kind
     return cfg
 

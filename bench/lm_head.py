@@ -1,0 +1,83 @@
+"""The int8 lm_head of a decode step: liteturbo's C++ GEMV (backends/csrc/w8a16_gemv_cpu.cpp) against torch's
+``aten._weight_int8pack_mm``, side by side in one run, with the copy bandwidth of the same run.
+
+    python bench/lm_head.py [--threads 2] [--rows 1] [--repeats 20] [--json]
+
+Shapes (out x in, int8 codes, bf16 activations and scales): SmolLM2's 49,152-token vocabulary at hidden 2048 (1B/3B
+shapes) and 4096 (8B), and Llama-3's 128,256 at 4096. Best of ``--repeats`` calls each, alternating; GB/s are of the
+int8 codes (out x in bytes); the copy bandwidth is read + write of a 1 GiB tensor (STREAM's convention). The ratio
+is int8pack time / GEMV time (above 1: the GEMV is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends import cpu_ext  # noqa: E402
+
+SHAPES = [(49152, 2048), (49152, 4096), (128256, 4096)]
+
+
+def best_of(fns, repeats: int) -> list[float]:
+    """Seconds per call of each function, best of ``repeats`` rounds that call them in turn."""
+    for f in fns:
+        f()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, f in enumerate(fns):
+            t = time.perf_counter()
+            f()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
+def copy_gb_s(repeats: int = 5) -> float:
+    src = torch.ones(1 << 30, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / best_of([lambda: dst.copy_(src)], repeats)[0] / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=1, help="activation rows (1-4: the GEMV's range)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ext = cpu_ext.load()
+    if ext is None or not ext.has_w8_gemv():
+        raise SystemExit("the C++ int8 GEMV is not available here (it needs the extension and AVX-512 F/BW)")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    copy = copy_gb_s()
+    for n, k in SHAPES:
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        s = (torch.rand(n, generator=g) * 0.01).to(torch.bfloat16)
+        x = torch.randn(args.rows, k, generator=g).to(torch.bfloat16)
+        gemv, pack = best_of([lambda: ext.w8a16_gemv(x, q, s), lambda: torch._weight_int8pack_mm(x, q, s)],
+                             args.repeats)
+        err = float((ext.w8a16_gemv(x, q, s).float() - torch._weight_int8pack_mm(x, q, s).float()).abs().max())
+        rows.append(dict(out=n, inp=k, rows=args.rows, gemv_ms=gemv * 1e3, int8pack_ms=pack * 1e3,
+                         gemv_gb_s=n * k / gemv / 1e9, int8pack_gb_s=n * k / pack / 1e9, ratio=pack / gemv,
+                         max_abs_diff=err))
+    copy_after = copy_gb_s()
+    if args.json:
+        print(json.dumps(dict(threads=args.threads, copy_gb_s=[copy, copy_after], rows=rows)))
+        return
+    print(f"{args.threads} threads, {args.rows} row(s); copy bandwidth {copy:.1f} GB/s before, {copy_after:.1f} after")
+    print(f"{'out x in':>14} | {'GEMV ms':>8} {'GB/s':>6} | {'int8pack ms':>11} {'GB/s':>6} | int8pack/GEMV | max |diff|")
+    for r in rows:
+        print(f"{r['out']:>7}x{r['inp']:<6} | {r['gemv_ms']:8.2f} {r['gemv_gb_s']:6.1f} | {r['int8pack_ms']:11.2f} "
+              f"{r['int8pack_gb_s']:6.1f} | {r['ratio']:12.2f}x | {r['max_abs_diff']:.2e}")
+
+
+if __name__ == "__main__":
+    main()
