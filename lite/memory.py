@@ -105,10 +105,59 @@ def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, c
         phases.append(("end-to-end tuning", {
             "float model": (linear_params + vocab * h) * c + vocab * h * F32,  # + the embeddings as read
             "codes and scales": linear_params + 5 * linear_params // 32 * F32,
+            "assembled checkpoint": linear_params // 2 + 2 * vocab * h * c,  # packed linears, embeddings, head
             "activations of one window": calib_seqlen * n_layers * (6 * h + 2 * q + 4 * inter) * c,
             "head logits": 8 * 128 * vocab * F32}))  # both models' logits, log-probabilities, KL, gradient
     phase, parts = max(phases, key=lambda p: sum(p[1].values()))
     return QuantizeMemory(sum(parts.values()), phase, parts)
+
+
+def available_bytes(device) -> int | None:
+    """Memory free for a run on ``device`` (a ``torch.device``): ``MemAvailable`` of /proc/meminfo on a CPU (None
+    where it cannot be read), the free bytes of ``torch.cuda.mem_get_info`` on a GPU."""
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_e2e_fits(config: dict, method: str, calib_samples: int, calib_seqlen: int, steps: int, device,
+                   compute_bytes: int = 2, room: int | None = None) -> None:
+    """Refuse ``--e2e-steps`` before any work when its phase (the whole float model as the teacher, the int8 codes
+    and scales of every linear, the assembled checkpoint, one window's activations: :func:`quantize_peak`) needs
+    more than the memory available on ``device`` (``room``: bytes, default :func:`available_bytes`). Raises
+    ``LiteturboError`` naming both sizes and the fixes; ``LITETURBO_SKIP_MEMORY_CHECK=1`` skips the check."""
+    import os
+
+    from .formats import LiteturboError
+
+    if os.environ.get("LITETURBO_SKIP_MEMORY_CHECK", "").strip() in ("1", "true", "yes"):
+        return
+    room = available_bytes(device) if room is None else room
+    if room is None:
+        return
+    try:
+        est = quantize_peak(config, method, calib_samples, calib_seqlen, compute_bytes=compute_bytes, e2e=True)
+    except ValueError:  # a method or config the estimate does not model: no refusal on a guess
+        return
+    need = sum(est.parts.values()) if est.phase == "end-to-end tuning" else est.peak
+    if need <= room:
+        return
+    where = "GPU" if getattr(device, "type", str(device)) == "cuda" else "host"
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in est.parts.items())
+    raise LiteturboError(
+        f"--e2e-steps {steps} would need about {need / GIB:.1f} GiB of {where} memory ({parts} GiB), but "
+        f"{room / GIB:.1f} GiB is available: end-to-end tuning holds the whole float model as its teacher. "
+        f"Run without --e2e-steps (the layer-wise {method} result is a complete checkpoint), or on a machine with "
+        f"at least {need / GIB:.0f} GiB free (LITETURBO_SKIP_MEMORY_CHECK=1 runs it anyway)")
 
 
 def quantize_fit(config: dict, method: str, calib_samples: int, calib_seqlen: int, room: int, device: str,

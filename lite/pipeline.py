@@ -45,6 +45,7 @@ from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_
 from .formats.writing import SAFETENSORS_DTYPES, write_safetensors_streamed
 from .formats.registry import WEIGHT_FORMATS, weight_format
 from .layerwise import LazyCheckpoint, open_partial, peak_memory_gib
+from .memory import check_e2e_fits
 from .methods import METHODS, LayerBatch, compute_dtype
 from .options import PipelineConfig
 from .rotation import ResidualRotation
@@ -167,6 +168,9 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     if cfg.rotate:
         rotation = ResidualRotation(int(config["hidden_size"]), config["model_type"], cfg.seed)
     cdtype = compute_dtype(cfg.compute_dtype, device)
+    if cfg.e2e_steps:  # the end-to-end stage holds the whole float model: refuse now rather than after the layers
+        check_e2e_fits(config, cfg.method, cfg.calib_samples, cfg.calib_seqlen, cfg.e2e_steps, device,
+                       compute_bytes=4 if cdtype == torch.float32 else 2)
 
     samples = []
     if method.calibrated:  # RTN needs no calibration data; bad data fails here, before .partial exists

@@ -88,3 +88,26 @@ def test_pipeline_e2e_keeps_codes_and_lowers_the_held_out_kl(tmp_path, smollm2_p
 def test_bad_e2e_options_are_named(over, message):
     with pytest.raises(LiteturboError, match=message):
         PipelineConfig(**{"method": "gptq", **over})
+
+
+def test_e2e_that_cannot_fit_is_refused_before_any_work(tmp_path, smollm2_path, monkeypatch):
+    """--e2e-steps holds the whole float model: with less memory than its estimate the run stops at once (no
+    .partial folder, no output), naming both sizes and the fix; at the real 8B shape on this machine's 24 GiB it
+    would not fit."""
+    import lite.memory as memory
+
+    src = _save_tiny(tmp_path / "src", smollm2_path)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
+    out = tmp_path / "tuned"
+    with pytest.raises(LiteturboError, match=r"--e2e-steps 8 would need about .* GiB of host memory .* but 0\.0 GiB "
+                                             r"is available.*Run without --e2e-steps"):
+        quantize_model(str(src), PipelineConfig(method="gptq", e2e_steps=8, **dict(OPTS, calib_samples=6)), str(out))
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+    monkeypatch.setenv("LITETURBO_SKIP_MEMORY_CHECK", "1")
+    memory.check_e2e_fits({"hidden_size": 4096}, "gptq", 128, 512, 8, torch.device("cpu"), room=1)  # skipped
+    monkeypatch.delenv("LITETURBO_SKIP_MEMORY_CHECK")
+    llama8b = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "head_dim": 128, "vocab_size": 128256, "num_hidden_layers": 32}
+    with pytest.raises(LiteturboError, match="holds the whole float model as its teacher"):
+        memory.check_e2e_fits(llama8b, "gptq", 128, 512, 40, torch.device("cpu"), room=24 << 30)
+    memory.check_e2e_fits(llama8b, "gptq", 128, 512, 40, torch.device("cpu"), room=64 << 30)  # fits: no error
