@@ -98,10 +98,15 @@ def ready():
         return None
     if "module" in _state:
         return _state["module"]
+    if _state.get("not_built"):  # hashing the sources once per process, not once per weight of a load
+        return None
     try:
-        return load() if _built(build_dir()) else None
+        if _built(build_dir()):
+            return load()
     except Exception:
         return None
+    _state["not_built"] = True  # until load() builds it in this process (then "module" answers first)
+    return None
 
 
 def unpack_nibbles_t(packed: torch.Tensor, order) -> torch.Tensor | None:

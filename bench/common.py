@@ -11,6 +11,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def copy_gb_s(mib: int = 1024, repeats: int = 5) -> float:
+    """This machine's copy bandwidth at torch's current thread count: GB/s read + written (STREAM's convention),
+    the best of ``repeats`` copies of a ``mib`` MiB tensor after one warm-up. What the CPU benchmarks compare a
+    kernel's bytes per second with, measured in the same run."""
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9
+
+
 def w4a16_checkpoint(model: str, group_size: int, given: str | None) -> tuple[str, object]:
     """The W4A16 checkpoint to benchmark: ``given``, or RTN of ``model`` made in a temporary folder."""
     if given:

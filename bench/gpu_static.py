@@ -78,6 +78,8 @@ def _row(name, rep, units, rows_used=1, bytes_per_unit=0.5, **extra):
 
 # --- W4A16, new ----------------------------------------------------------------------------------------------------
 def w4a16_new_rows(quick=False):
+    """Report rows of the tiled W4A16 kernels as the engine launches them for a 4096 x 4096 weight on an H200 (the
+    launch table's config and split per dtype, group size and M bucket) and of the load-time dequantize kernel."""
     from backends.triton import w4a16 as W
 
     out = []
@@ -118,6 +120,7 @@ def w4a16_new_rows(quick=False):
 
 # --- W4A16, old (kernels.w4a16_gemm as launched by the backend before issue 22) ------------------------------------
 def w4a16_old_rows(quick=False):
+    """Report rows of the pre-issue-22 gptq-layout kernels (``kernels.w4a16_gemm``), the reference path."""
     from backends.triton import kernels as Kn
 
     out = []
@@ -148,6 +151,7 @@ def w4a16_old_rows(quick=False):
 
 # --- row-wise kernels ------------------------------------------------------------------------------------------------
 def rowwise_rows():
+    """Report rows (registers, spills) of the row-wise kernels: RMSNorm, SiLU-and-mul, KV write, rotary."""
     from backends.triton import kernels as Kn
 
     out = []
@@ -190,6 +194,8 @@ def rowwise_rows():
 
 # --- attention (the other half's module) ---------------------------------------------------------------------------
 def attention(old: bool, quick: bool = False):
+    """``(new (rows, summary), old (rows, summary) or None, reason skipped or None)`` from
+    ``bench/gpu_static_attention.py``."""
     path = HERE / "gpu_static_attention.py"
     if not path.exists():
         return None, None, "bench/gpu_static_attention.py not present yet"
@@ -241,6 +247,8 @@ def _pick(rows, **kw):
 
 
 def main(argv=None) -> dict:
+    """Compile and print every row, then the summary; returns the summary dict (``{"error": ...}`` where no
+    cuobjdump is found)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="end with one JSON line of the headline figures")
     ap.add_argument("--old", action="store_true", help="also print today's (old) kernels' rows")

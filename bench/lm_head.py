@@ -22,6 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends import cpu_ext  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import copy_gb_s  # noqa: E402
+
 SHAPES = [(49152, 2048), (49152, 4096), (128256, 4096)]
 
 
@@ -38,13 +41,8 @@ def best_of(fns, repeats: int) -> list[float]:
     return best
 
 
-def copy_gb_s(repeats: int = 5) -> float:
-    src = torch.ones(1 << 30, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / best_of([lambda: dst.copy_(src)], repeats)[0] / 1e9
-
-
 def main() -> None:
+    """Time both kernels on each shape and print the table (or one JSON object; see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=1, help="activation rows (1-4: the GEMV's range)")

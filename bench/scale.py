@@ -227,16 +227,10 @@ def part_copy(spec: dict) -> dict:
     from backends import cpu_ext
 
     cpu_ext.load()
+    from common import copy_gb_s
+
     torch.set_num_threads(spec["threads"])
-    src = torch.ones(spec["mib"] * 2**20 // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return {"copy_gb_s": round(2 * src.nbytes / best / 1e9, 2), "copy_bytes": src.nbytes}
+    return {"copy_gb_s": round(copy_gb_s(spec["mib"]), 2), "copy_bytes": spec["mib"] * 2**20}
 
 
 def decode_bytes_per_token(plan, prompt_tokens: int, new_tokens: int) -> int:

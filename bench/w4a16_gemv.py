@@ -16,6 +16,7 @@ import time
 import torch
 
 import common  # noqa: F401  (puts the repository on sys.path)
+from common import copy_gb_s
 from backends import cpu_ext
 
 
@@ -42,10 +43,7 @@ def main() -> None:
         raise SystemExit("w4a16_gemv.py needs liteturbo's C++ extension built with AVX-512 BF16 (this CPU lacks it)")
     gen = torch.Generator().manual_seed(0)
     gs = 128
-    src = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
-    dst = torch.empty_like(src)
-    copy = 2 * src.nbytes / best_ms(lambda: dst.copy_(src), 5) / 1e6  # GB/s read + written
-    del src, dst
+    copy = copy_gb_s(1024)  # GB/s read + written, 1 GiB
     print(f"W4A16 g{gs}, {args.rows} row(s), bf16, {args.threads} threads (ms per call, GB/s of codes); "
           f"copy bandwidth of this run {copy:.1f} GB/s (read + write)")
     for n, k in [(6144, 4096), (28672, 4096), (4096, 14336)]:

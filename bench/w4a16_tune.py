@@ -43,6 +43,9 @@ MIB = 1 << 20
 
 
 class Tuner:
+    """One tuning session: the device (CUDA, or the CPU under the interpreter for ``--dry-run``), its copy bandwidth
+    (GB/s read + written), the deadline of ``--budget-s`` and ``tune.jsonl`` in ``--out``, appended row by row."""
+
     def __init__(self, args):
         import torch
 
@@ -62,13 +65,16 @@ class Tuner:
                  copy_gbps=self.copy_gbps, torch=torch.__version__, triton=__import__("triton").__version__)
 
     def row(self, **kw) -> None:
+        """Append one JSON row to ``tune.jsonl`` and flush (a killed run keeps what it measured)."""
         self.rows.write(json.dumps(kw, default=str) + "\n")
         self.rows.flush()
 
     def left(self) -> float:
+        """Seconds left before the deadline."""
         return self.deadline - time.time()
 
     def sync(self) -> None:
+        """Wait for the GPU (no-op on the CPU)."""
         if self.cuda:
             self.torch.cuda.synchronize()
 
@@ -118,6 +124,7 @@ class Tuner:
         from backends.triton import w4a16
 
         def call(w):
+            """``x @ W.T`` for one weight copy ``w = (tiled codes, scales, zeros)`` with ``cfg``."""
             return w4a16.w4a16_matmul(x, w[0], w[1], w[2], gs, n, k, config=dict(cfg), sms=self.sms)
 
         y0 = call(ws[0]).clone()  # compiles
@@ -144,6 +151,9 @@ class Tuner:
         return best * 1e6 / len(ws), y0
 
     def tune(self, sname: str, n: int, k: int, m: int, ws, gs: int, space: dict, until: float) -> dict:
+        """Coordinate search for ``M = m`` rows of the ``N x K`` weights ``ws`` (see the module docstring) until
+        ``until`` (epoch seconds); returns the ``best`` row (baseline and best config, microseconds per call,
+        speed-up), or ``{}`` when the baseline itself fails."""
         torch = self.torch
         from backends.triton import w4a16_plan
 
@@ -155,9 +165,12 @@ class Tuner:
         wbytes = n * k // 2
 
         def key_of(c):
+            """The configuration as a hashable tuple of :data:`KEYS`."""
             return tuple(c.get(kk) for kk in KEYS)
 
         def try_cfg(c):
+            """Time ``c`` once (cached by :func:`key_of`): its row, or ``None`` when it fails to compile or run or
+            its output differs from the baseline's by more than 1e-2 of the output's max."""
             kc = key_of(c)
             if kc in seen:
                 return seen[kc]
@@ -207,6 +220,7 @@ class Tuner:
         return result
 
     def run(self, shapes, ms, space, gs: int) -> list:
+        """Tune every (shape, M) with an equal share of the time left; returns the ``best`` rows."""
         results = []
         items = [(s, m) for s in shapes for m in ms]
         done = 0
@@ -233,6 +247,7 @@ class Tuner:
 
 
 def table(results: list, copy_gbps: float) -> str:
+    """The text table of ``tune.txt``: baseline vs best per shape and M, %copy of ``copy_gbps`` (GB/s)."""
     lines = [f"W4A16 launch tuning (bf16, g128; GB/s of 4-bit weight bytes; copy {copy_gbps:.0f} GB/s)",
              "shape      M |  base us  %copy |  best us  %copy  speed-up | best config"]
     for r in results:
@@ -245,6 +260,7 @@ def table(results: list, copy_gbps: float) -> str:
 
 
 def main(argv=None) -> int:
+    """Command-line entry point: tune, write ``best.json`` and ``tune.txt``, print the table (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "./tune_results"))
     ap.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds (400; dry run 60)")
