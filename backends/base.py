@@ -59,6 +59,15 @@ class Backend(ABC):
 
     # --- memory accounting ---------------------------------------------------------------------
     @classmethod
+    def reads_kv_in_place(cls, kv_cache_dtype: str, dtype: torch.dtype, device_type: str,
+                          batch_invariant: bool = False) -> bool:
+        """Whether this backend's attention (decode and chunked prefill) reads a ``kv_cache_dtype`` cache (``int8``,
+        ``int4`` or a 16-bit dtype name) in place through the block tables, for compute ``dtype`` on
+        ``device_type``; else it gathers each sequence's context into a contiguous copy per layer (the planner's
+        ``attention`` workspace). This default: :attr:`paged_attention`."""
+        return cls.paged_attention
+
+    @classmethod
     def linear_nbytes(cls, spec: LinearSpec, dtype: torch.dtype, device_type: str = "cpu") -> int:
         """Bytes this backend holds on ``device_type`` (``cpu``, ``cuda``, ``npu``) for one linear prepared in the
         compute ``dtype``: what ``prepare_linear`` / ``prepare_w4a16`` / ``prepare_w8a16`` allocate for ``spec``.

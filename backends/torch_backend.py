@@ -386,6 +386,21 @@ class TorchBackend(Backend):
         return super().rotary_write(q, k, v, cos, sin, cache, layer, slots)
 
     # --- paged KV --------------------------------------------------------------------------------
+    @classmethod
+    def reads_kv_in_place(cls, kv_cache_dtype: str, dtype: torch.dtype, device_type: str,
+                          batch_invariant: bool = False) -> bool:
+        """The C++ ``paged_attention`` (:meth:`attention`) reads a 16-bit cache of the compute dtype in place on CPUs
+        where the extension loads (not ``LITETURBO_CPU_EXT=0``, not a failed build) and not in batch-invariant mode;
+        int8/int4 caches and the torch fallback gather."""
+        if device_type != "cpu" or batch_invariant or kv_cache_dtype in ("int8", "int4"):
+            return False
+        if kv_cache_dtype != {torch.bfloat16: "bfloat16", torch.float16: "float16",
+                              torch.float32: "float32"}.get(dtype):
+            return False
+        from . import cpu_ext
+
+        return cpu_ext.status() not in ("off", "failed")
+
     def attention(self, q, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """With the C++ extension and a 16-bit cache (not ``batch_invariant``): every row of the step in one
         ``paged_attention`` call (``backends/csrc/attention_cpu.cpp``; `python bench/cpu_ops.py`). Otherwise: SDPA

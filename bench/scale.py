@@ -125,6 +125,7 @@ def measure_size(size: str, args, notes: list[str]) -> dict:
     cfg = synthetic.SIZES[size]
     ckpt = synthetic.ensure_checkpoint(size, args.vocab, args.seed, args.cache_dir, quiet=args.json)
     row = {k: None for k in REQUIRED_KEYS}
+    row.update({f"{m.replace('-', '_')}_{k}": None for m in CALIBRATED for k in CALIBRATED_KEYS})
     row.update(size=size, source=cfg.source, parameters=cfg.num_parameters(args.vocab), vocab=args.vocab,
                cpu=cpu_name(), threads=args.threads, checkpoint=str(ckpt))
     common = {"threads": args.threads, "new_tokens": args.new_tokens, "prefill": args.prefill,
@@ -143,7 +144,7 @@ def measure_size(size: str, args, notes: list[str]) -> dict:
         else:
             notes.append(f"rtn: exit status {r['rc']}: {r['stderr'].strip()[-400:]}")
             return row
-        turbo = run_part("turbo", {**common, "model": str(w4)}, args.part_timeout, notes)
+        turbo = run_part("turbo", {**common, "model": str(w4), "copy_mib": args.copy_mib}, args.part_timeout, notes)
         if turbo:
             row.update(decode_tok_s=turbo["decode_tok_s"], prefill_tok_s=turbo["prefill_tok_s"],
                        load_seconds=turbo["load_seconds"], bytes_per_token=turbo["bytes_per_token"],
@@ -152,13 +153,22 @@ def measure_size(size: str, args, notes: list[str]) -> dict:
                        plan_vs_measured_rss=round(turbo["plan_bytes"] / max(turbo["peak_rss"] - turbo["baseline_rss"],
                                                                              1), 3),
                        plan_vs_peak_rss_total=round(turbo["plan_bytes"] / turbo["peak_rss"], 3))
-            if row["copy_gb_s"]:
-                row["bandwidth_fraction"] = round(turbo["bytes_per_token"] * turbo["decode_tok_s"] /
-                                                  (row["copy_gb_s"] * 1e9), 3)
+            row["decode_rounds"] = turbo["decode_rounds"]
+            # the fastest copy of the run: the copy part's and those beside the decode rounds
+            row["copy_gb_s"] = max(row["copy_gb_s"] or 0, turbo["copy_gb_s"])
+            row["bandwidth_fraction"] = round(turbo["bytes_per_token"] * turbo["decode_tok_s"] /
+                                              (row["copy_gb_s"] * 1e9), 3)
         if not args.no_peers:
             measure_peers(ckpt, w4, common, args, row, notes)
         else:
             notes.append("peers skipped (--no-peers)")
+        for method in CALIBRATED if args.calib_layers else ():
+            c = run_part("calibrated", {**common, "model": str(ckpt), "method": method, "layers": args.calib_layers,
+                                        "work": str(work / method)}, args.part_timeout, notes)
+            key = method.replace("-", "_")
+            if c:
+                c["peak_gib"] = round(c["_peak_rss"] / GIB, 3)
+                row.update({f"{key}_{k}": c[k] for k in CALIBRATED_KEYS})
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -244,33 +254,101 @@ def decode_bytes_per_token(plan, prompt_tokens: int, new_tokens: int) -> int:
 
 
 def part_turbo(spec: dict) -> dict:
-    """Load the W4A16 checkpoint, decode and prefill (see the module docstring), the plan and the peak RSS."""
+    """Load the W4A16 checkpoint, prefill and decode (see the module docstring), the plan and the peak RSS.
+
+    The engine and its plan share one configuration, the one the bench serves with: ``max_num_batched_tokens`` =
+    the prefill length and ``max_batch_size`` = 1, so the prefill step is the largest step the plan bounds (with the
+    defaults the plan bounds a 1,024-token step with 64 rows of logits that a batch-1 bench never runs). The peak RSS
+    is read after the prefills, before the copies of the decode rounds: each round measures the copy bandwidth
+    (best of 3 copies of ``copy_mib``) right before a batch-1 decode, so the decode and the bandwidth it is compared
+    with are measured within seconds of each other."""
     import torch
 
+    from common import copy_gb_s
     from turbo import Engine, GenerationConfig
     from turbo.plan import plan_checkpoint
 
     torch.set_num_threads(spec["threads"])
     model = spec["model"]
     ids, long_ids = _prompts(model, spec["prefill"])
-    plan, _ = plan_checkpoint(model, device="cpu", max_kv_tokens=spec["max_kv_tokens"])
+    opts = {"max_kv_tokens": spec["max_kv_tokens"], "max_num_batched_tokens": max(spec["prefill"], 64),
+            "max_batch_size": 1}
+    plan, _ = plan_checkpoint(model, device="cpu", **opts)
     base = _rss_kib("VmRSS") * 1024
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on (Linux >= 4.0)
         f.write("5")
     t = time.perf_counter()
-    engine = Engine(model, threads=spec["threads"], max_kv_tokens=spec["max_kv_tokens"], enable_prefix_caching=False)
+    engine = Engine(model, threads=spec["threads"], enable_prefix_caching=False, **opts)
     load = time.perf_counter() - t
     engine.generate(ids, GenerationConfig(max_new_tokens=8, ignore_eos=True))
-    gen = GenerationConfig(max_new_tokens=spec["new_tokens"], ignore_eos=True)
-    decode = max(engine.generate(ids, gen).decode_tokens_per_s for _ in range(spec["repeats"]))
     one = GenerationConfig(max_new_tokens=1, ignore_eos=True)
     engine.generate(long_ids, one)
     prefill = max(len(long_ids) / engine.generate(long_ids, one).ttft for _ in range(spec["repeats"]))
-    return {"load_seconds": round(load, 3), "decode_tok_s": round(decode, 2), "prefill_tok_s": round(prefill, 1),
-            "prompt_tokens": len(ids), "bytes_per_token": decode_bytes_per_token(plan, len(ids), spec["new_tokens"]),
+    peak = _rss_kib("VmHWM") * 1024
+    gen = GenerationConfig(max_new_tokens=spec["new_tokens"], ignore_eos=True)
+    rounds = []
+    for _ in range(spec["repeats"]):
+        bw = copy_gb_s(spec.get("copy_mib", 1024), repeats=3)
+        rounds.append((engine.generate(ids, gen).decode_tokens_per_s, bw))
+    bpt = decode_bytes_per_token(plan, len(ids), spec["new_tokens"])
+    return {"load_seconds": round(load, 3), "decode_tok_s": round(max(d for d, _ in rounds), 2),
+            "prefill_tok_s": round(prefill, 1), "prompt_tokens": len(ids), "bytes_per_token": bpt,
+            "decode_rounds": [{"decode_tok_s": round(d, 2), "copy_gb_s": round(b, 2),
+                               "bandwidth_fraction": round(bpt * d / (b * 1e9), 3)} for d, b in rounds],
+            "copy_gb_s": round(max(b for _, b in rounds), 2),
             "plan_bytes": plan.weights_total + plan.workspace_total + plan.pool_bytes,
-            "plan": {"weights": plan.weights, "workspace_total": plan.workspace_total, "pool_bytes": plan.pool_bytes},
-            "peak_rss": _rss_kib("VmHWM") * 1024, "baseline_rss": base}
+            "plan": {"weights": plan.weights, "workspace": plan.workspace, "pool_bytes": plan.pool_bytes, **opts},
+            "peak_rss": peak, "baseline_rss": base}
+
+
+CALIBRATED = ("gptq", "auto-awq")
+CALIBRATED_KEYS = ("seconds_per_layer", "peak_gib", "setup_seconds", "layers_measured", "seconds_extrapolated")
+
+
+def part_calibrated(spec: dict) -> dict:
+    """``liteturbo lite <method> CKPT`` with the CLI's defaults, stopped after ``layers`` decoder layers (the
+    pipeline's ``stop_after_layers``, as a Ctrl-C would stop it; ``--resume`` would continue it). Times the
+    set-up (calibration windows, embeddings, the first layer's inputs) and each layer (from the start of one layer to
+    the start of the next, or to the stop); the total is extrapolated as set-up + mean layer time x layers (the
+    final write of the checkpoint not included). The parent reads the process's peak RSS."""
+    import click
+    import torch
+    from tqdm import tqdm
+
+    import lite.pipeline as pipeline
+    from lite.cli import lite
+
+    torch.set_num_threads(spec["threads"])
+    stamps: list[float] = []
+
+    class TimedBar(tqdm):
+        def __iter__(self):
+            for item in super().__iter__():
+                stamps.append(time.perf_counter())
+                yield item
+
+    real = pipeline.quantize_model
+
+    def stopped(*a, **k):
+        k["stop_after_layers"] = spec["layers"]
+        return real(*a, **k)
+
+    pipeline.tqdm, pipeline.quantize_model = TimedBar, stopped
+    t0 = time.perf_counter()
+    try:
+        lite.main([spec["method"], spec["model"], "--work-dir", spec["work"], "--overwrite"], standalone_mode=False)
+    except (KeyboardInterrupt, click.exceptions.Abort):  # click turns the interrupt into Abort
+        pass
+    end = time.perf_counter()
+    if len(stamps) < spec["layers"]:
+        raise SystemExit(f"{spec['method']} stopped after {len(stamps)} of {spec['layers']} layers")
+    per = [b - a for a, b in zip(stamps, stamps[1:] + [end])]
+    n_layers = json.loads((Path(spec["model"]) / "config.json").read_text())["num_hidden_layers"]
+    setup = stamps[0] - t0
+    mean = sum(per) / len(per)
+    return {"setup_seconds": round(setup, 1), "seconds_per_layer": round(mean, 1), "layer_seconds":
+            [round(x, 1) for x in per], "layers_measured": len(per), "seconds_extrapolated":
+            round(setup + mean * n_layers), "layers": n_layers}
 
 
 def part_gguf(spec: dict) -> dict:
@@ -334,7 +412,8 @@ def part_vllm(spec: dict) -> dict:
             "prefill_tok_s": round(peer.prefill_tok_s(long_ids, spec["repeats"]), 1)}
 
 
-PARTS = {"copy": part_copy, "turbo": part_turbo, "gguf": part_gguf, "llama_cpp": part_llama_cpp, "vllm": part_vllm}
+PARTS = {"copy": part_copy, "turbo": part_turbo, "gguf": part_gguf, "llama_cpp": part_llama_cpp, "vllm": part_vllm,
+         "calibrated": part_calibrated}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -421,6 +500,9 @@ def main() -> None:
     ap.add_argument("--max-kv-tokens", type=int, default=4096, help="turbo's KV pool (and the plan's)")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the tensor copied for the bandwidth")
     ap.add_argument("--no-peers", action="store_true", help="skip llama.cpp and vLLM (their keys are null)")
+    ap.add_argument("--calib-layers", type=int, default=2,
+                    help="lite gptq and lite auto-awq (CLI defaults) are stopped after this many layers, timed per "
+                         "layer and extrapolated (0: skip them)")
     ap.add_argument("--llama-cpp-no-extra-bufts", action="store_true",
                     help="load llama.cpp without its extra CPU buffer types (repacked/AMX kernels; see "
                          "bench/contention.py: they segfault on some VMs)")

@@ -437,6 +437,32 @@ def test_cpu_plan_sizes_the_gather_workspace_by_the_pool(smollm2_rtn_g64, monkey
     assert e.block_manager.num_blocks == 256
 
 
+def test_cpu_attention_workspace_follows_how_the_backend_reads_kv(monkeypatch):
+    """The torch backend reads a 16-bit cache in place through the C++ paged attention (no gathered context), and
+    gathers int8/int4 caches, batch-invariant steps and everything without the extension; a gathered context is
+    never longer than the pool (Llama-3-8B: 8,192 positions, a 4,096-token pool)."""
+    from backends import TorchBackend, cpu_ext
+    from turbo.plan import plan_checkpoint
+
+    monkeypatch.setattr(cpu_ext, "status", lambda: "built")
+    assert TorchBackend.reads_kv_in_place("bfloat16", torch.bfloat16, "cpu")
+    for args in (("int8", torch.bfloat16, "cpu"), ("int4", torch.bfloat16, "cpu"), ("bfloat16", torch.bfloat16, "cuda"),
+                 ("float16", torch.bfloat16, "cpu")):
+        assert not TorchBackend.reads_kv_in_place(*args), args
+    assert not TorchBackend.reads_kv_in_place("bfloat16", torch.bfloat16, "cpu", batch_invariant=True)
+    model = str(FIXTURES / "llama-3-8b.json")
+    in_place, _ = plan_checkpoint(model, device="cpu", gpu_mem="64", max_kv_tokens=4096)
+    gathered, _ = plan_checkpoint(model, device="cpu", gpu_mem="64", max_kv_tokens=4096, kv_cache_dtype="int8")
+    # in place: 1,024 tokens' K/V of the step + 64 rows x 32 heads x ceil(4096 / 512) partials of 130 float32
+    assert in_place.workspace["attention"] == 1024 * 2 * 8 * 128 * 2 + 64 * 32 * 8 * 130 * 4
+    # gathered int8: a 1,024-token chunk over a 4,096-token context (K/V in bf16 + codes and float32: 7 bytes a
+    # value) and its mask
+    assert gathered.workspace["attention"] == 4096 * 2 * 8 * 128 * 7 + 1024 * 4096
+    monkeypatch.setattr(cpu_ext, "status", lambda: "off")
+    no_ext, _ = plan_checkpoint(model, device="cpu", gpu_mem="64", max_kv_tokens=4096)
+    assert no_ext.workspace["attention"] == 4096 * 2 * 8 * 128 * 2 + 1024 * 4096
+
+
 def test_conflicting_or_degenerate_pool_options_are_refused(smollm2_rtn_g64):
     with pytest.raises(LiteturboError, match="give one KV pool size, not kv_cache_gib=1.0 and max_kv_tokens=1000"):
         EngineConfig(max_kv_tokens=1000, kv_cache_gib=1.0)

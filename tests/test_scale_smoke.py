@@ -164,7 +164,7 @@ def test_native_vocab_pads_the_gguf_tokenizer(cache):
 def test_scale_tiny_prints_every_key(cache):
     p = subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--sizes", "tiny", "--json", "--no-peers",
                         "--new-tokens", "8", "--prefill", "32", "--repeats", "1", "--copy-mib", "16",
-                        "--cache-dir", str(cache)], cwd=REPO, capture_output=True, text=True, timeout=300)
+                        "--calib-layers", "1", "--cache-dir", str(cache)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 1
@@ -175,3 +175,11 @@ def test_scale_tiny_prints_every_key(cache):
               "load_seconds"):
         assert isinstance(row[k], (int, float)) and row[k] > 0, (k, row[k], row["notes"])
     assert row["llama_cpp_decode_tok_s"] is None and row["vllm_decode_tok_s"] is None
+    # the calibrated methods, stopped after one layer: timed, extrapolated to both layers, their own peak RSS
+    for m in ("gptq", "auto_awq"):
+        assert row[f"{m}_layers_measured"] == 1, row["notes"]
+        per, setup = row[f"{m}_seconds_per_layer"], row[f"{m}_setup_seconds"]
+        assert per > 0 and setup > 0 and abs(row[f"{m}_seconds_extrapolated"] - (setup + 2 * per)) <= 1
+        assert 0.2 < row[f"{m}_peak_gib"] < 3
+    # the plan bounds the step the bench runs: the prefill (max_num_batched_tokens = --prefill, one row)
+    assert row["decode_rounds"] and all(r["copy_gb_s"] > 0 for r in row["decode_rounds"])

@@ -191,13 +191,15 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
         notes.append(f"tensor parallel over {tp} {ranks}: weights, workspace and KV are one rank's; each holds "
                      f"{max(cfg.num_kv_heads // tp, 1)} of the {cfg.num_kv_heads} KV heads")
 
+    in_place = cls.reads_kv_in_place(kv_dtype, dtype, dev_type)
+
     def workspace(ctx):
         return workspace_breakdown(cfg, cls, dtype, kv_dtype, w.bits < 16, w.lm_head_int8, max_num_batched_tokens,
-                                   max_batch_size, want_len, context_tokens=ctx, tp=tp)
+                                   max_batch_size, want_len, context_tokens=ctx, tp=tp, kv_in_place=in_place)
 
     pool, ws = size_pool(free, workspace, bpb, block_size, cache_max_entry_count=cache_max_entry_count,
                          max_kv_tokens=max_kv_tokens, accelerator=accel,
-                         context_cap=None if cls.paged_attention else max_batch_size * want_len)
+                         context_cap=None if in_place else max_batch_size * want_len)
     tokens = pool.blocks * block_size
     blocks_per_session = -(-want_len // block_size)
     sessions = pool.blocks // blocks_per_session

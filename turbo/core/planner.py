@@ -121,7 +121,8 @@ def weight_breakdown(cfg, backend_cls: type[Backend], device_type: str, dtype: t
 def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_cache_dtype: str,
                         quantized: bool, lm_head_int8: bool, max_num_batched_tokens: int, max_batch_size: int,
                         session_len: int, batch_invariant: bool = False,
-                        context_tokens: int | None = None, tp: int = 1) -> dict[str, int]:
+                        context_tokens: int | None = None, tp: int = 1,
+                        kv_in_place: bool | None = None) -> dict[str, int]:
     """Upper-bound estimate of the transient memory of one step, by part (bytes); per rank (rank 0) with ``tp``
     ranks: its heads and MLP features, its vocabulary rows' logits and the whole vocabulary's gathered float32
     logits it samples from.
@@ -133,12 +134,14 @@ def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_
       rotated q/k, attention output, gate/up, SiLU product and the MLP output, plus float32 norm statistics.
     * ``dequantized weight``: the largest quantized linear as a dense ``dtype`` weight plus its uint8 codes, when
       T reaches the backend's ``dequant_min_rows`` (never with ``batch_invariant``).
-    * ``attention``: a backend without a paged kernel gathers contexts per layer (keys and values in ``dtype``; with
-      an int8/int4 cache also the codes and a float32 copy): for a chunked prefill of T tokens over C, with the
-      ``T x C`` mask (and, with ``batch_invariant``, float32 scores and probabilities ``H x T x C``: the matmul path;
-      otherwise SDPA's fused kernel keeps no scores), or for a decode batch over ``context_tokens`` (default
-      ``B x C``; the engine caps it by the pool) with its float32 scores; a paged kernel gathers only a whole
-      prompt's own keys and values and keeps float32 split-KV partials.
+    * ``attention``: a backend that does not read K/V in place (``kv_in_place``; default the backend class's
+      ``paged_attention``, :meth:`backends.base.Backend.reads_kv_in_place` says it for a cache dtype) gathers
+      contexts per layer (keys and values in ``dtype``; with an int8/int4 cache also the codes and a float32 copy):
+      for a chunked prefill of T tokens over C, with the ``T x C`` mask (and, with ``batch_invariant``, float32
+      scores and probabilities ``H x T x C``: the matmul path; otherwise SDPA's fused kernel keeps no scores), or
+      for a decode batch over ``context_tokens`` (default ``B x C``; the engine caps it by the pool) with its
+      float32 scores; one sequence's C is capped by ``context_tokens`` too (no sequence outgrows the pool). A paged
+      kernel gathers only a whole prompt's own keys and values and keeps float32 split-KV partials.
     * ``logits and sampling``: B rows of logits in ``dtype`` and float32, :data:`SAMPLING_BYTES_PER_LOGIT` per logit
       for sampling, and the int8 lm_head's dequantized tile.
     """
@@ -154,11 +157,16 @@ def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_
         dequant = max(qkv * h, h * nh * hd, 2 * inter * h, h * inter) * (e + 1)
     kv_quant = kv_cache_dtype in ("int8", "int4")
     gather_per_token = 2 * nkv * hd * (e + (5 if kv_quant else 0))
-    if backend_cls.paged_attention:
+    if kv_in_place is None:
+        kv_in_place = backend_cls.paged_attention
+    if kv_in_place:
+        if context_tokens is not None:
+            c = min(c, context_tokens)
         parts = -(-c // 512)
         attn = t * gather_per_token + b * nh * parts * (hd + 2) * 4
     else:
         ctx = b * c if context_tokens is None else min(context_tokens, b * c)
+        c = min(c, ctx)  # one sequence's context: at most what the pool holds
         prefill = c * gather_per_token + t * c + (nh * t * c * (8 + e) if batch_invariant else 0)
         decode = ctx * (gather_per_token + nh * (8 + e))
         attn = max(prefill, decode)
@@ -211,7 +219,8 @@ def size_pool(free: int, workspace, bytes_per_block: int, block_size: int, *, nu
     """Size the KV pool and the workspace together; returns ``(PoolSize, workspace parts)``.
 
     ``workspace(context_tokens)`` gives the workspace parts when decode attention gathers at most ``context_tokens``
-    tokens (see :func:`workspace_breakdown`); ``context_cap`` is the most it could gather (``max_batch_size x
+    tokens (see :func:`workspace_breakdown`; a backend that reads K/V in place is given the pool's tokens, which
+    bound one sequence's context); ``context_cap`` is the most it could gather (``max_batch_size x
     session_len``), ``None`` when the backend reads K/V in place (nothing gathered). The pool option: ``num_blocks``,
     ``kv_cache_gib``, ``max_kv_tokens`` (fixed sizes), ``cache_max_entry_count`` (a fraction of ``free − workspace``);
     none: :data:`POOL_FRACTION` on accelerators, :data:`CPU_DEFAULT_KV_TOKENS` tokens on CPUs. A gathering backend
@@ -222,9 +231,8 @@ def size_pool(free: int, workspace, bytes_per_block: int, block_size: int, *, nu
                                    max_kv_tokens, accelerator)
 
     def ws_for(blocks: int | None) -> dict[str, int]:
-        if context_cap is None:
-            return workspace(None)
-        return workspace(min(context_cap, (blocks or 0) * block_size))
+        tokens = (blocks or 0) * block_size  # no step's context outgrows the pool
+        return workspace(tokens if context_cap is None else min(context_cap, tokens))
 
     if fixed is not None:
         ws = ws_for(fixed)

@@ -78,7 +78,12 @@ class Fit:
             m, type(self.backend), self.dtype, self.kv_cache_dtype, self.weights.bits < 16, self.lm_int8,
             c.max_num_batched_tokens, c.max_batch_size,
             min(c.session_len or m.max_position_embeddings, m.max_position_embeddings), c.batch_invariant,
-            context_tokens, tp=c.tensor_parallel_size)
+            context_tokens, tp=c.tensor_parallel_size, kv_in_place=self.kv_in_place())
+
+    def kv_in_place(self) -> bool:
+        """Whether the backend's attention reads this KV cache in place (:meth:`backends.base.Backend.reads_kv_in_place`)."""
+        return type(self.backend).reads_kv_in_place(self.kv_cache_dtype, self.dtype, self.backend.device.type,
+                                                    self.config.batch_invariant)
 
 
 def engine_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
@@ -225,7 +230,7 @@ def pool_blocks(fit: Fit, free: int) -> tuple[int, int]:
     cfg, mcfg = fit.config, fit.model_cfg
     bs = cfg.block_size
     block_bytes = kv_spec(fit, 1).bytes_per_block()
-    paged = type(fit.backend).paged_attention
+    paged = fit.kv_in_place()
     length = min(cfg.session_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     pool, ws = planner.size_pool(
         free, lambda ctx: fit.workspace(context_tokens=ctx), block_bytes, bs,
