@@ -109,12 +109,9 @@ class Backend(ABC):
         out, inp = weight.shape
         q = torch.empty(out, inp, dtype=torch.int8, device=weight.device)
         scales = torch.empty(out, dtype=torch.float32, device=weight.device)
-        step = max(1, (64 << 20) // max(1, 4 * inp))  # ~64 MB of float32 at a time: a 128k-vocab head in
-        for i in range(0, out, step):                 # float32 at once would add GBs to the load's peak memory
-            w = weight[i:i + step].float()
-            s = (w.abs().amax(1) / 127.0).clamp(min=1e-12)
-            q[i:i + step] = torch.clamp(torch.round(w / s[:, None]), -127, 127).to(torch.int8)
-            scales[i:i + step] = s
+        for i, qc, sc in int8_row_chunks(weight):
+            q[i:i + len(qc)] = qc
+            scales[i:i + len(sc)] = sc
         return q.to(self.device).contiguous(), scales.to(self.device, dtype)
 
     def w8a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
@@ -188,3 +185,16 @@ class Backend(ABC):
         this step's K/V were written → ``[T, H, D]``. Scores are ``cache.attention_query(layer, q)`` against
         ``cache.gather`` keys and the result goes through ``cache.attention_output`` (identity for 16-bit and
         online caches; see :mod:`backends.kv_cache`)."""
+
+
+def int8_row_chunks(weight: torch.Tensor, rows_multiple: int = 4):
+    """Yield ``(first row, int8 codes [r, in], float32 scales [r])`` of ``weight [out, in]`` quantized per output
+    channel (symmetric absmax: ``q = clamp(round(w / s), -127, 127)``, ``s = max |w| / 127``), about 64 MB of float32
+    at a time (a 128k-vocabulary head in float32 at once would add GBs to a load's peak memory), ``r`` a multiple of
+    ``rows_multiple`` except in the last chunk."""
+    out, inp = weight.shape
+    step = max(rows_multiple, (64 << 20) // max(1, 4 * inp) // rows_multiple * rows_multiple)
+    for i in range(0, out, step):
+        w = weight[i:i + step].float()
+        s = (w.abs().amax(1) / 127.0).clamp(min=1e-12)
+        yield i, torch.clamp(torch.round(w / s[:, None]), -127, 127).to(torch.int8), s

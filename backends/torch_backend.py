@@ -51,6 +51,26 @@ class W4TilesHandle:
 
 
 @dataclass
+class W8TilesHandle:
+    """An int8 weight (per output channel, symmetric) in the tiled layout of liteturbo's C++ int8 GEMV (AVX-512 VNNI
+    CPUs, ``out`` a multiple of 4 and ``in`` of 32; ``backends/csrc/w8a16_gemv_cpu.cpp``): ``q`` int8
+    ``[out/4, in/32, 4, 32]`` (for each 32 inputs, the codes of 4 channels are 128 contiguous bytes), ``scales``
+    ``[out]`` in the compute dtype. One byte per weight, as the row-major layout; :meth:`rows` gives rows back."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0] * 4, self.q.shape[1] * 32
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Codes of output channels ``[start, stop)`` (multiples of 4) as row-major int8 ``[stop - start, in]``."""
+        blk = self.q[start // 4:stop // 4]
+        return blk.transpose(1, 2).reshape(stop - start, self.q.shape[1] * 32)
+
+
+@dataclass
 class Int4PackHandle:
     """torch CPU int4pack weight plus the same codes for many-row inputs (CPUs or dtypes the C++ W4A16 kernels do
     not take; see :class:`W4TilesHandle`).
@@ -223,6 +243,9 @@ class TorchBackend(Backend):
         # the C++ int8 GEMV for 1-4 bf16 rows (the int8 lm_head of decode steps); not in batch-invariant mode, where
         # every row count must take the same kernel (int8pack)
         self._w8_gemv = self.ext is not None and bool(self.ext.has_w8_gemv())
+        # the tiled int8 layout and its VNNI GEMV for every bf16 row count; not in batch-invariant mode (int8pack there)
+        self._w8_tiles = (self.ext is not None and not batch_invariant and hasattr(self.ext, "has_w8_tiles")
+                          and bool(self.ext.has_w8_tiles()))
         never = 1 << 62
         self.dequant_min_rows = never if batch_invariant else dequant_min_rows
         self.int8_tile_min_rows = never if batch_invariant else int8_tile_min_rows
@@ -251,7 +274,8 @@ class TorchBackend(Backend):
                               "take") if ext
                              else (int4 + "; dequantize + matmul for many rows or layouts it cannot take") if cpu
                              else "dequantize + matmul"),
-            "w8a16_linear": (("liteturbo C++ int8 GEMV for 1-4 bf16 rows (AVX-512), else " if cpu and ext else "")
+            "w8a16_linear": (("liteturbo C++ int8 GEMV: tiled layout, every bf16 row count (AVX-512 VNNI), or row-major, "
+                              "1-4 bf16 rows (AVX-512 F/BW); else " if cpu and ext else "")
                              + ("torch int8pack kernel (aten._weight_int8pack_mm, 16-bit activations); tiled "
                                 "dequantize + matmul for many rows" if cpu else "dequantize + matmul")),
             "rms_norm": ("liteturbo C++ kernel (fused)" if ext else ref),
@@ -331,10 +355,33 @@ class TorchBackend(Backend):
         w = handle.qw.dequantize(x.dtype)
         return F.linear(x, w, None if handle.bias is None else handle.bias.to(x.dtype))
 
+    def prepare_w8a16(self, weight: torch.Tensor, dtype: torch.dtype) -> Any:
+        """See :meth:`Backend.prepare_w8a16` (the same codes and scales). In bf16 on CPUs whose C++ extension has
+        the VNNI int8 GEMV (not in ``batch_invariant`` mode), for ``out`` a multiple of 4 and ``in`` of 32: a
+        :class:`W8TilesHandle`, written chunk by chunk (no second copy of the head at load); else ``(q, scales)``."""
+        out, inp = weight.shape
+        if not (self._w8_tiles and dtype == torch.bfloat16 and out % 4 == 0 and inp % 32 == 0):
+            return super().prepare_w8a16(weight, dtype)
+        from .base import int8_row_chunks
+
+        q = torch.empty(out // 4, inp // 32, 4, 32, dtype=torch.int8)
+        scales = torch.empty(out, dtype=torch.float32)
+        for i, qc, sc in int8_row_chunks(weight.to(self.device)):
+            q[i // 4:(i + len(qc)) // 4] = qc.view(-1, 4, inp // 32, 32).transpose(1, 2)
+            scales[i:i + len(sc)] = sc
+        return W8TilesHandle(q, scales.to(dtype))
+
     def w8a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
-        """bf16, 1-4 rows: liteturbo's C++ int8 GEMV where compiled (AVX-512; ``csrc/w8a16_gemv_cpu.cpp``); else
+        """A :class:`W8TilesHandle`: bf16 rows on liteturbo's C++ VNNI GEMV (``w8a16_tiles_gemv``: every row count;
+        at 49,152 x 2,048 it is faster than int8pack from 1 to 64 rows, 1.6-2.4x, and than the tiled dequantize +
+        matmul), other dtypes tiled dequantize + matmul. Row-major ``(q, scales)``: bf16,
+        1-4 rows on the C++ float GEMV where compiled (AVX-512; ``csrc/w8a16_gemv_cpu.cpp``); else
         ``aten._weight_int8pack_mm`` for 16-bit CPU activations (tiled dequantize + matmul from
         ``int8_tile_min_rows``), else the generic path."""
+        if isinstance(handle, W8TilesHandle):
+            if x.dtype == torch.bfloat16 and x.dim() == 2:
+                return self.ext.w8a16_tiles_gemv(x, handle.q, handle.scales)
+            return _int8_tiled_mm(x, handle.rows, handle.scales.to(x.dtype), handle.shape)
         q, scales = handle
         if (self._w8_gemv and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= 4
                 and not self.batch_invariant and q.shape[1] % 16 == 0 and q.is_contiguous()):
@@ -342,7 +389,7 @@ class TorchBackend(Backend):
         if self.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and hasattr(
                 torch.ops.aten, "_weight_int8pack_mm"):
             if x.shape[0] >= self.int8_tile_min_rows:
-                return _int8_tiled_mm(x, q, scales.to(x.dtype))
+                return _int8_tiled_mm(x, lambda i, j: q[i:j], scales.to(x.dtype), q.shape)
             return _int8pack_mm(x, q, scales if scales.dtype == x.dtype else scales.to(x.dtype))
         return super().w8a16_linear(x, handle)
 
@@ -458,17 +505,19 @@ class TorchBackend(Backend):
         return cache.attention_output(layer, out)
 
 
-def _int8_tiled_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, tile: int = 4096) -> torch.Tensor:
-    """``x [M, in] @ (q * scales[:, None]).T`` dequantizing ``tile`` output rows at a time into a buffer that
+def _int8_tiled_mm(x: torch.Tensor, rows, scales: torch.Tensor, shape: tuple[int, int],
+                   tile: int = 4096) -> torch.Tensor:
+    """``x [M, in] @ (q * scales[:, None]).T`` for int8 codes of ``shape`` ``[out, in]`` given by ``rows(i, j)``
+    (output channels ``[i, j)`` as row-major int8), dequantizing ``tile`` output rows at a time into a buffer that
     stays in cache, so a many-row input costs about one dense GEMM (``_weight_int8pack_mm`` grows per row)."""
-    n, k = q.shape
+    n, k = shape
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     buf = torch.empty(min(tile, n), k, dtype=x.dtype, device=x.device)
     s = scales.unsqueeze(1)
     for i in range(0, n, tile):
         j = min(i + tile, n)
         w = buf[: j - i]
-        torch.mul(q[i:j], s[i:j], out=w)
+        torch.mul(rows(i, j), s[i:j], out=w)
         torch.mm(x, w.t(), out=y[:, i:j])
     return y
 

@@ -177,12 +177,16 @@ def choices_suite(threads: int) -> dict:
     q = torch.randint(-127, 128, (n_vocab, k), dtype=torch.int8, generator=gen)
     s = (torch.rand(n_vocab, generator=gen) * 0.01).bfloat16()
     dense = (q.float() * s.float().unsqueeze(1)).bfloat16()
+    q8_tiles = (q.view(n_vocab // 4, 4, k // 32, 32).transpose(1, 2).contiguous()
+                if ext is not None and ext.has_w8_tiles() else None)
     for rows in (1, 8, 12, 16, 32, 48):
         x = torch.randn(rows, k, generator=gen).bfloat16()
         a = timed(lambda: torch.ops.aten._weight_int8pack_mm(x, q, s), 5)
-        b = timed(lambda: _int8_tiled_mm(x, q, s), 5)
+        b = timed(lambda: _int8_tiled_mm(x, lambda i, j: q[i:j], s, q.shape), 5)
         c = timed(lambda: F.linear(x, dense), 5)
-        res["int8_lm_head"].append({"rows": rows, "int8pack_us": a, "tiled_dequant_gemm_us": b, "dense_bf16_us": c})
+        d = timed(lambda: ext.w8a16_tiles_gemv(x, q8_tiles, s), 5) if q8_tiles is not None else float("nan")
+        res["int8_lm_head"].append({"rows": rows, "int8pack_us": a, "tiled_dequant_gemm_us": b, "dense_bf16_us": c,
+                                    "w8_tiles_gemv_us": d})
 
     kvh, grp, d = 3, 3, 64
     for batch, length in ((1, 64), (1, 192), (8, 192), (32, 192)):

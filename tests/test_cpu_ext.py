@@ -584,6 +584,25 @@ def test_w8a16_gemv_matches_float64(m, n, k):
 
 
 @needs_w8
+@pytest.mark.parametrize("code", [127, -128])
+def test_w8a16_gemv_long_rows_of_extreme_codes(code):
+    """K = 8,320 (past the int32 flush of the tiled VNNI kernel) with every code and every input at its extreme: the
+    int32 sums would overflow without the flush; one input 1e-3 of the largest still counts."""
+    k = 8320
+    x = torch.full((2, k), 3.0).to(torch.bfloat16)
+    x[1, ::2] = -3.0
+    x[0, 5] = 3e-3
+    q = torch.full((4, k), code, dtype=torch.int8)
+    s = torch.tensor([1e-3, 2e-3, 5e-4, 1.0]).to(torch.bfloat16)
+    ref = (x.double() @ q.double().T) * s.double()
+    ys = [ext.w8a16_gemv(x, q, s)]
+    if ext.has_w8_tiles():  # the VNNI kernel's int32 sums are flushed every 4,096 inputs
+        ys.append(ext.w8a16_tiles_gemv(x, q.view(1, 4, k // 32, 32).transpose(1, 2).contiguous(), s))
+    for y in ys:
+        assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all(), (y, ref)
+
+
+@needs_w8
 def test_w8a16_gemv_refuses_bad_inputs():
     x = torch.randn(1, 32).to(torch.bfloat16)
     q = torch.zeros(8, 32, dtype=torch.int8)
@@ -597,21 +616,71 @@ def test_w8a16_gemv_refuses_bad_inputs():
 
 
 @needs_w8
-def test_backend_int8_lm_head_takes_the_gemv_for_few_rows(monkeypatch):
-    """TorchBackend.w8a16_linear: 1-4 bf16 rows on the C++ GEMV, more rows and batch-invariant mode on int8pack;
-    the two agree within a bf16 rounding."""
+def test_backend_int8_lm_head_kernels(monkeypatch):
+    """TorchBackend's int8 lm_head: on VNNI CPUs a bf16 head whose rows are a multiple of 4 (and columns of 32) is
+    held in the tiled layout (the same codes and scales as the row-major one) and every row count runs the tiled
+    GEMV; other shapes keep the row-major codes: 1-4 rows on the float GEMV, more on int8pack; batch-invariant mode
+    is row-major and int8pack throughout. All agree within a bf16 rounding."""
+    from backends.torch_backend import W8TilesHandle
+
     be, inv = TorchBackend("cpu"), TorchBackend("cpu", batch_invariant=True)
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(200, 64, generator=g)
-    h = be.prepare_w8a16(w, torch.bfloat16)
     calls = []
     real = be.ext
     monkeypatch.setattr(be, "ext", type("Spy", (), {
         "w8a16_gemv": lambda self, *a: calls.append("gemv") or real.w8a16_gemv(*a),
+        "w8a16_tiles_gemv": lambda self, *a: calls.append("tiles") or real.w8a16_tiles_gemv(*a),
         "__getattr__": lambda self, name: getattr(real, name)})())
-    for m in (1, 4, 5):
-        x = torch.randn(m, 64, generator=g).to(torch.bfloat16)
-        y = be.w8a16_linear(x, h)
-        y_inv = inv.w8a16_linear(x, h)
-        torch.testing.assert_close(y.float(), y_inv.float(), rtol=2 ** -7, atol=1e-3)
-    assert calls == ["gemv", "gemv"]  # m = 1 and 4; m = 5 took int8pack
+    for out, tiled in ((200, bool(real.has_w8_tiles())), (202, False)):
+        w = torch.randn(out, 64, generator=g)
+        h, h_inv = be.prepare_w8a16(w, torch.bfloat16), inv.prepare_w8a16(w, torch.bfloat16)
+        assert isinstance(h, W8TilesHandle) == tiled and isinstance(h_inv, tuple)
+        if tiled:
+            assert torch.equal(h.rows(0, out), h_inv[0]) and torch.equal(h.scales, h_inv[1])
+            assert torch.equal(h.rows(8, 16), h_inv[0][8:16])
+        calls.clear()
+        for m in (1, 4, 5, 12):
+            x = torch.randn(m, 64, generator=g).to(torch.bfloat16)
+            y, y_inv = be.w8a16_linear(x, h), inv.w8a16_linear(x, h_inv)
+            torch.testing.assert_close(y.float(), y_inv.float(), rtol=2 ** -7, atol=1e-3)
+        assert calls == (["tiles"] * 4 if tiled else ["gemv", "gemv"]), (out, calls)
+
+
+needs_w8_tiles = pytest.mark.skipif(ext is None or not ext.has_w8_tiles(),
+                                    reason="the tiled int8 GEMV needs AVX-512 VNNI here")
+
+
+@needs_w8_tiles
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+@pytest.mark.parametrize("n, k", [(4, 32), (200, 576), (64, 8224)])
+def test_w8a16_tiles_gemv_matches_float64(m, n, k):
+    """Against float64 of the bf16 inputs: the int16 fixed point of x and one bf16 rounding of the output; a row's
+    result is bitwise the same alone or with others."""
+    g = torch.Generator().manual_seed(n + m + k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    x[0, :7] = torch.tensor([0.0, 1e-6, -3e-4, 80.0, -2.0, 0.5, 1e-2])  # a wide range within one row
+    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+    s = (torch.rand(n, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    tiles = q.view(n // 4, 4, k // 32, 32).transpose(1, 2).contiguous()
+    y = ext.w8a16_tiles_gemv(x, tiles, s)
+    ref = (x.double() @ q.double().T) * s.double()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # the fixed point's error in a row: at most sum_k |q| s x (max |x| / 65534)
+    fp = (q.double().abs().sum(1) * s.double())[None, :] * (x.double().abs().amax(1, keepdim=True) / 65534)
+    err = (y.double() - ref).abs()
+    assert (err <= ref.abs() * 2 ** -8 + fp).all(), float((err - ref.abs() * 2 ** -8 - fp).max())
+    for r in range(m):
+        assert torch.equal(ext.w8a16_tiles_gemv(x[r:r + 1], tiles, s)[0], y[r])
+
+
+@needs_w8_tiles
+def test_w8a16_tiles_gemv_refuses_bad_inputs():
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    q = torch.zeros(2, 2, 4, 32, dtype=torch.int8)
+    s = torch.ones(8)
+    for bad, msg in (((x.float(), q, s), "bfloat16"), ((x, q.view(8, 64), s), r"\[N/4, K/32, 4, 32\]"),
+                     ((x, q.to(torch.int16), s), "int8"), ((x[:, :32], q, s), "columns"),
+                     ((x, q, torch.ones(7)), "one value per output channel"),
+                     ((x, q.transpose(0, 1), s), "contiguous")):
+        with pytest.raises(RuntimeError, match=msg):
+            ext.w8a16_tiles_gemv(*bad)

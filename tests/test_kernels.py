@@ -13,7 +13,8 @@ import torch
 
 from backends import get_backend
 from backends.kv_cache import KVCacheSpec, KVQuantParams
-from backends.torch_backend import DequantHandle, Int4PackHandle, TorchBackend, W4TilesHandle, _int8_tiled_mm
+from backends.torch_backend import (DequantHandle, Int4PackHandle, TorchBackend, W4TilesHandle, W8TilesHandle,
+                                    _int8_tiled_mm)
 from backends.types import AttentionMetadata, QuantizedWeight
 from lite.rtn import quantize_rtn
 
@@ -159,7 +160,9 @@ def test_w8a16_linear_matches_f64_reference(batch):
     gen = torch.Generator().manual_seed(31)
     weight = torch.randn(out_f, in_f, generator=gen) * 0.05
     be = TorchBackend("cpu")
-    q, scales = be.prepare_w8a16(weight, torch.bfloat16)
+    handle = be.prepare_w8a16(weight, torch.bfloat16)
+    # VNNI CPUs hold it in the tiled layout of the C++ GEMV; its rows are the row-major codes
+    q, scales = (handle.rows(0, out_f), handle.scales) if isinstance(handle, W8TilesHandle) else handle
     assert q.dtype == torch.int8 and q.shape == (out_f, in_f)
     assert scales.shape == (out_f,) and scales.dtype == torch.bfloat16
 
@@ -174,12 +177,15 @@ def test_w8a16_linear_matches_f64_reference(batch):
     assert torch.allclose(scales.double(), s_ref, rtol=2 ** -8, atol=0)  # bf16 rounding of the scale
     w_deq = q.double() * scales.double()[:, None]  # the weight the kernel is meant to apply
     x = torch.randn(batch, in_f, generator=gen).to(torch.bfloat16)
-    y = be.w8a16_linear(x, (q, scales))
-    assert y.dtype == torch.bfloat16 and y.shape == (batch, out_f)
-    _assert_close_rel(y, x.double() @ w_deq.T, 2e-2)
+    for h in (handle, (q, scales)):
+        y = be.w8a16_linear(x, h)
+        assert y.dtype == torch.bfloat16 and y.shape == (batch, out_f)
+        _assert_close_rel(y, x.double() @ w_deq.T, 2e-2)
     # the many-rows path dequantizes tile by tile: tiles that do not divide out_features (136 = 3*40 + 16)
-    y_tiled = _int8_tiled_mm(x, q, scales, tile=40)
+    y_tiled = _int8_tiled_mm(x, lambda i, j: q[i:j], scales, q.shape, tile=40)
     _assert_close_rel(y_tiled, x.double() @ w_deq.T, 2e-2)
+    if isinstance(handle, W8TilesHandle):
+        _assert_close_rel(_int8_tiled_mm(x, handle.rows, scales, handle.shape, tile=40), x.double() @ w_deq.T, 2e-2)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ at::Tensor w4a16_tiles_mm(const at::Tensor& x, const at::Tensor& packed, const a
                           const at::Tensor& scales, int64_t group_size);
 bool has_w8_gemv();
 at::Tensor w8a16_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
+bool has_w8_tiles();
+at::Tensor w8a16_tiles_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
 at::Tensor lt_unpack_nibbles_t(const at::Tensor& packed, const at::Tensor& order);
 at::Tensor lt_pack_w4_tiles_codes(const at::Tensor& codes);
 at::Tensor lt_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -33,6 +35,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a16_gemv", &w8a16_gemv,
         "weight-only int8 for 1-4 rows: bf16 x [M, K] x int8 q [N, K] * scales [N] -> bf16 [M, N] (w8a16_gemv_cpu.cpp)");
   m.def("has_w8_gemv", &has_w8_gemv, "whether w8a16_gemv was compiled in (AVX-512 F/BW)");
+  m.def("w8a16_tiles_gemv", &w8a16_tiles_gemv,
+        "weight-only int8, any rows: bf16 x [M, K] x int8 q [N/4, K/32, 4, 32] * scales [N] -> bf16 [M, N] "
+        "(w8a16_gemv_cpu.cpp)");
+  m.def("has_w8_tiles", &has_w8_tiles, "whether w8a16_tiles_gemv was compiled in (AVX-512 VNNI)");
   // load-time repacking runs without the GIL: the engine loads the tokenizer on another thread meanwhile
   m.def("unpack_nibbles_t", &lt_unpack_nibbles_t,
         "int32 [R, C] of 8 nibbles -> uint8 codes [C*8, R], column c*8+j from nibble order[j] (w4_pack_cpu.cpp)",
