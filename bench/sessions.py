@@ -5,10 +5,13 @@
     python bench/sessions.py --tiers [--sessions 6] [--history-tokens 2000] [--json]
 
 ``--tiers``: ``--sessions`` sessions, each with a ``--history-tokens`` first turn (WikiText-2), on a pool that holds
-three of them, in four engines of one run: with a host tier (``session_host_gib=2``), with the disk tier only (each
-session saved with its KV after its turn, as ``--session-dir`` does), with neither (the evicted history is
-recomputed), and with a pool that holds them all (the reference: never evicted). Then a short next turn on
-each of the first three (evicted) sessions; TTFT (best of them) and replies compared. Its last JSON line has
+half of them, in up to four engines of one run (``--engines``, default all): with a host tier
+(``session_host_gib=2``), with the disk tier only (each session saved with its KV after its turn, as
+``--session-dir`` does), with neither (the evicted history is recomputed), and with a pool that holds them all (the
+reference: never evicted). Then a short next turn on each of the first half (evicted) sessions; TTFT (best of them)
+and replies compared (a key is null when an engine it needs was not run). At 8B shapes:
+``--model ~/.cache/liteturbo/synthetic/8b-smollm2-s0 --w4a16 W4A16 --history-tokens 4096 --sessions 2 --engines
+host_tier,recompute`` (bench/synthetic.py, docs/scale.md). Its last JSON line has
 ``host_restore_vs_recompute_ttft``, ``disk_restore_vs_recompute_ttft`` and ``identical`` (the replies after a host-
 or disk-tier restore equal the never-evicted ones; ``recomputed_identical`` says the
 same of the recomputed ones, which in 16-bit can differ: a prefill of the whole history rounds differently from the
@@ -31,6 +34,9 @@ import torch
 from common import text_prompts, w4a16_checkpoint
 
 
+TIER_ENGINES = ("host_tier", "disk_tier", "recompute", "never_evicted")
+
+
 def main() -> None:
     """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,7 +51,14 @@ def main() -> None:
     ap.add_argument("--tiers", action="store_true", help="measure the host tier of session KV (see above)")
     ap.add_argument("--sessions", type=int, default=6)
     ap.add_argument("--history-tokens", type=int, default=2000)
+    ap.add_argument("--engines", default=",".join(TIER_ENGINES),
+                    help="--tiers: which of the engines to run (comma-separated; fewer for large models)")
     args = ap.parse_args()
+    bad = sorted(set(args.engines.split(",")) - set(TIER_ENGINES))
+    if bad or not args.engines:
+        ap.error(f"--engines: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(TIER_ENGINES)}")
+    if args.sessions < 2:
+        ap.error("--sessions must be >= 2 (the pool holds half of them; the later half evicts the earlier)")
     torch.set_num_threads(args.threads)
     if args.tiers:
         return tiers(args)
@@ -95,10 +108,12 @@ def tiers(args) -> None:
 
     w4, _tmp = w4a16_checkpoint(str(resolve_model(args.model)), 64, args.w4a16)
     per = args.history_tokens + 200
-    engines = {"host_tier": EngineConfig(max_kv_tokens=3 * per, session_host_gib=2.0),
-               "disk_tier": EngineConfig(max_kv_tokens=3 * per),  # sessions saved with their KV after each turn
-               "recompute": EngineConfig(max_kv_tokens=3 * per),
+    held = args.sessions // 2  # sessions the pool holds: the later ones evict the first `held`
+    engines = {"host_tier": EngineConfig(max_kv_tokens=held * per, session_host_gib=2.0),
+               "disk_tier": EngineConfig(max_kv_tokens=held * per),  # sessions saved with their KV after each turn
+               "recompute": EngineConfig(max_kv_tokens=held * per),
                "never_evicted": EngineConfig(max_kv_tokens=(args.sessions + 1) * per)}
+    engines = {k: v for k, v in engines.items() if k in args.engines.split(",")}
     gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
     out = {}
     for name, cfg in engines.items():
@@ -113,15 +128,23 @@ def tiers(args) -> None:
             if name == "disk_tier":  # what --session-dir does after every turn
                 s.save(Path(saves.name) / f"s{i}", include_kv=True)
         nxt = []
-        for s in ss[:3]:  # evicted by the later ones (except in the reference)
+        for s in ss[:held]:  # evicted by the later ones (except in the reference)
             s.chat("In one line, what was it about?", gen=gen)
             nxt.append((s.last.ttft, s.last.cached_tokens, s.last.prompt_tokens, s.last.token_ids))
         out[name] = {"ttft_s": min(t for t, *_ in nxt), "cached_tokens": [c for _, c, *_ in nxt],
                      "prompt_tokens": [p for _, _, p, _ in nxt], "replies": [r for *_, r in nxt],
                      **{k: v for k, v in e.stats().items() if k.startswith("host_tier")}}
         del e
-    identical = out["host_tier"]["replies"] == out["disk_tier"]["replies"] == out["never_evicted"]["replies"]
-    recomputed_same = out["recompute"]["replies"] == out["never_evicted"]["replies"]  # 16-bit: may differ
+    def same(*names):  # None when an engine was not run
+        return None if any(n not in out for n in names) else all(out[n]["replies"] == out[names[-1]]["replies"]
+                                                                  for n in names)
+
+    identical = same(*[n for n in ("host_tier", "disk_tier") if n in out], "never_evicted")
+    recomputed_same = same("recompute", "never_evicted")  # 16-bit: may differ
+
+    def ratio(a, b):
+        return round(out[a]["ttft_s"] / out[b]["ttft_s"], 2) if a in out and b in out else None
+
     for name, r in out.items():
         r.pop("replies")
         if args.json:
@@ -129,12 +152,12 @@ def tiers(args) -> None:
         else:
             print(f"{name:14s} next-turn TTFT {r['ttft_s'] * 1000:8.1f} ms; cached {r['cached_tokens']} of "
                   f"{r['prompt_tokens']} prompt tokens")
-    print(json.dumps({"host_restore_vs_recompute_ttft": round(out["recompute"]["ttft_s"] / out["host_tier"]["ttft_s"],
-                                                              2),
-                      "disk_restore_vs_recompute_ttft": round(out["recompute"]["ttft_s"] / out["disk_tier"]["ttft_s"], 2),
+    print(json.dumps({"host_restore_vs_recompute_ttft": ratio("recompute", "host_tier"),
+                      "disk_restore_vs_recompute_ttft": ratio("recompute", "disk_tier"),
                       "identical": identical,
                       "recomputed_identical": recomputed_same,
-                      "history_tokens": args.history_tokens, "sessions": args.sessions}))
+                      "history_tokens": args.history_tokens, "sessions": args.sessions,
+                      "engines": list(out)}))
 
 
 if __name__ == "__main__":
