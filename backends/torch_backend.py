@@ -62,6 +62,7 @@ class W8TilesHandle:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """``(out, in)`` of the weight the codes hold."""
         return self.q.shape[0] * 4, self.q.shape[1] * 32
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
@@ -244,8 +245,7 @@ class TorchBackend(Backend):
         # every row count must take the same kernel (int8pack)
         self._w8_gemv = self.ext is not None and bool(self.ext.has_w8_gemv())
         # the tiled int8 layout and its VNNI GEMV for every bf16 row count; not in batch-invariant mode (int8pack there)
-        self._w8_tiles = (self.ext is not None and not batch_invariant and hasattr(self.ext, "has_w8_tiles")
-                          and bool(self.ext.has_w8_tiles()))
+        self._w8_tiles = self.ext is not None and not batch_invariant and bool(self.ext.has_w8_tiles())
         never = 1 << 62
         self.dequant_min_rows = never if batch_invariant else dequant_min_rows
         self.int8_tile_min_rows = never if batch_invariant else int8_tile_min_rows
@@ -366,15 +366,14 @@ class TorchBackend(Backend):
 
         q = torch.empty(out // 4, inp // 32, 4, 32, dtype=torch.int8)
         scales = torch.empty(out, dtype=torch.float32)
-        for i, qc, sc in int8_row_chunks(weight.to(self.device)):
+        for i, qc, sc in int8_row_chunks(weight):
             q[i // 4:(i + len(qc)) // 4] = qc.view(-1, 4, inp // 32, 32).transpose(1, 2)
             scales[i:i + len(sc)] = sc
         return W8TilesHandle(q, scales.to(dtype))
 
     def w8a16_linear(self, x: torch.Tensor, handle: Any) -> torch.Tensor:
         """A :class:`W8TilesHandle`: bf16 rows on liteturbo's C++ VNNI GEMV (``w8a16_tiles_gemv``: every row count;
-        at 49,152 x 2,048 it is faster than int8pack from 1 to 64 rows, 1.6-2.4x, and than the tiled dequantize +
-        matmul), other dtypes tiled dequantize + matmul. Row-major ``(q, scales)``: bf16,
+        against int8pack: ``python bench/lm_head.py --rows R``), other dtypes tiled dequantize + matmul. Row-major ``(q, scales)``: bf16,
         1-4 rows on the C++ float GEMV where compiled (AVX-512; ``csrc/w8a16_gemv_cpu.cpp``); else
         ``aten._weight_int8pack_mm`` for 16-bit CPU activations (tiled dequantize + matmul from
         ``int8_tile_min_rows``), else the generic path."""
@@ -441,8 +440,7 @@ class TorchBackend(Backend):
         int8/int4 caches and the torch fallback gather."""
         if device_type != "cpu" or batch_invariant or kv_cache_dtype in ("int8", "int4"):
             return False
-        if kv_cache_dtype != {torch.bfloat16: "bfloat16", torch.float16: "float16",
-                              torch.float32: "float32"}.get(dtype):
+        if getattr(torch, kv_cache_dtype, None) != dtype:  # a 16-bit cache of another dtype: gathered and cast
             return False
         from . import cpu_ext
 

@@ -322,6 +322,8 @@ def part_calibrated(spec: dict) -> dict:
     stamps: list[float] = []
 
     class TimedBar(tqdm):
+        """The pipeline's layer bar, stamping the start of each layer."""
+
         def __iter__(self):
             for item in super().__iter__():
                 stamps.append(time.perf_counter())
@@ -330,6 +332,7 @@ def part_calibrated(spec: dict) -> dict:
     real = pipeline.quantize_model
 
     def stopped(*a, **k):
+        """quantize_model, stopped after the measured layers."""
         k["stop_after_layers"] = spec["layers"]
         return real(*a, **k)
 

@@ -135,7 +135,8 @@ def tiers(args) -> None:
                      "prompt_tokens": [p for _, _, p, _ in nxt], "replies": [r for *_, r in nxt],
                      **{k: v for k, v in e.stats().items() if k.startswith("host_tier")}}
         del e
-    def same(*names):  # None when an engine was not run
+    def same(*names):
+        """Whether the engines ``names`` gave the same replies; None when one of them was not run."""
         return None if any(n not in out for n in names) else all(out[n]["replies"] == out[names[-1]]["replies"]
                                                                   for n in names)
 
@@ -143,6 +144,7 @@ def tiers(args) -> None:
     recomputed_same = same("recompute", "never_evicted")  # 16-bit: may differ
 
     def ratio(a, b):
+        """TTFT of engine ``a`` over engine ``b`` (above 1: ``b`` is faster); None when one was not run."""
         return round(out[a]["ttft_s"] / out[b]["ttft_s"], 2) if a in out and b in out else None
 
     for name, r in out.items():

@@ -5,7 +5,8 @@
 // w8a16_tiles_gemv (AVX-512 VNNI; any M): the codes in the tiled layout q [N/4, K/32, 4, 32] (channel block b holds
 // channels 4b .. 4b + 3; for each 32 inputs, their 4 x 32 codes are 128 contiguous bytes), so each thread reads one
 // sequential stream (row-major codes give it four short interleaved streams, which the hardware prefetchers follow
-// poorly when rows are 2 KB: 23 vs 33 GB/s at 49,152 x 2,048 here). Each row of x is held as int16 fixed point,
+// poorly when rows are 2 KB: in a one-off A/B of the same VNNI loop on both layouts, whose code was not kept, 23 vs
+// 33 GB/s at 49,152 x 2,048 on the EPYC here; bench/lm_head.py compares this kernel with int8pack and w8a16_gemv). Each row of x is held as int16 fixed point,
 // x ~ xs[m] * xq[m, k] with xs[m] = max_k |x[m, k]| / 32767 (15 bits: a bf16 x has 8 significant bits, so the
 // rounding, at most xs / 2, is below a bf16 rounding for every element within 2^7 of the row's largest), and
 // VPDPWSSD sums q (widened to int16 in registers, exact) x xq exactly in int32, two products per lane per

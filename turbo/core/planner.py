@@ -231,6 +231,7 @@ def size_pool(free: int, workspace, bytes_per_block: int, block_size: int, *, nu
                                    max_kv_tokens, accelerator)
 
     def ws_for(blocks: int | None) -> dict[str, int]:
+        """The workspace parts with a pool of ``blocks`` blocks."""
         tokens = (blocks or 0) * block_size  # no step's context outgrows the pool
         return workspace(tokens if context_cap is None else min(context_cap, tokens))
 
