@@ -37,6 +37,19 @@ class Backend(ABC):
         # chosen per token, never by the step's row count), at some speed cost; as vLLM's batch-invariant mode
         self.batch_invariant = batch_invariant
 
+    def serving_layout_id(self, dtype: torch.dtype) -> str | None:
+        """A string that names exactly how this backend lays out the weights it prepares for ``dtype`` (the kernels'
+        layout versions, the CPU features and options that choose them), when those prepared weights can be saved
+        and mapped back at a later load (:mod:`turbo.core.serving_layout`: their handles are tensors, plain values
+        and the dataclasses of :meth:`serving_handle_types`); ``None`` (this default) when they cannot. Two
+        backends with the same id prepare the same bytes from the same checkpoint."""
+        return None
+
+    def serving_handle_types(self) -> tuple[type, ...]:
+        """The dataclasses of prepared weights a saved serving layout may hold for this backend (see
+        :meth:`serving_layout_id`); none by default."""
+        return ()
+
     @classmethod
     def unsupported_reason(cls, platform) -> str | None:
         """``None`` when this backend runs on ``platform`` (a :class:`~backends.platform.Platform`), else why not

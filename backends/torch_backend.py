@@ -33,6 +33,11 @@ _int4pack_mm = getattr(torch, "_weight_int4pack_mm_for_cpu", None) or getattr(
 _int8pack_mm = getattr(torch, "_weight_int8pack_mm", None) or getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 
 
+# bump when a prepared layout below (W4TilesHandle, W8TilesHandle, Int4PackHandle) changes: saved serving layouts
+# (turbo/core/serving_layout.py) of an older version are then ignored and the checkpoint is repacked
+SERVING_LAYOUT_VERSION = 1
+
+
 @dataclass
 class W4TilesHandle:
     """A bf16 4-bit weight held once, in the layout of liteturbo's C++ W4A16 kernels (AVX-512 BF16 CPUs,
@@ -251,6 +256,21 @@ class TorchBackend(Backend):
         self.int8_tile_min_rows = never if batch_invariant else int8_tile_min_rows
         self.dense_lm_head_min_rows = never if batch_invariant else dense_lm_head_min_rows
         self.tiles_min_rows = 1 if batch_invariant else tiles_min_rows  # w4a16_tiles_mm: each row on its own
+
+    def serving_layout_id(self, dtype: torch.dtype) -> str | None:
+        """See :meth:`Backend.serving_layout_id`: on a CPU, the layout version, ``dtype``, and which of the C++
+        layouts (W4A16 tiles, int8 tiles) and int4pack :meth:`prepare_w4a16` and :meth:`prepare_w8a16` choose here
+        (they follow the CPU's features and ``batch_invariant``); ``None`` on other devices."""
+        if self.device.type != "cpu":
+            return None
+        w4 = self.ext is not None and bool(self.ext.has_w4_tiles())
+        return (f"torch-cpu-v{SERVING_LAYOUT_VERSION}:{str(dtype).removeprefix('torch.')}:w4tiles={int(w4)}:"
+                f"w8tiles={int(self._w8_tiles)}:int4pack={int(self.int4_kernel)}:bi={int(self.batch_invariant)}")
+
+    def serving_handle_types(self) -> tuple[type, ...]:
+        """See :meth:`Backend.serving_handle_types`: every handle :meth:`prepare_w4a16` and :meth:`prepare_w8a16`
+        return here (the dense ones are tuples of tensors)."""
+        return W4TilesHandle, W8TilesHandle, Int4PackHandle, DequantHandle, QuantizedWeight
 
     @classmethod
     def op_coverage(cls, platform=None) -> dict[str, str]:

@@ -1,5 +1,7 @@
 """``liteturbo lite ...``: the quantizer's commands (``rtn``, ``auto-awq``, ``gptq`` / ``auto-gptq``,
-``calibrate-kv``) on :func:`lite.pipeline.quantize_model` and :func:`lite.kv_calibration.calibrate_kv`.
+``calibrate-kv``) on :func:`lite.pipeline.quantize_model` and :func:`lite.kv_calibration.calibrate_kv`. Each returns
+the checkpoint folder it wrote (``None`` with ``--no-serving-layout``), from which turbo's CLI then saves the serving
+layout.
 
 :mod:`turbo.cli` mounts the :func:`lite` group into ``liteturbo`` and adds ``lite eval-ppl``, which scores through
 turbo's engine (``lite`` never imports ``turbo``). :func:`friendly_errors` and :data:`DEFAULT_MODEL` are shared with
@@ -38,6 +40,20 @@ def lite() -> None:
     """Offline quantization."""
 
 
+_serving_layout_option = click.option(
+    "--serving-layout/--no-serving-layout", default=True, show_default=True,
+    help="Then save the weights as this machine's engine holds them (CPU: repacked tiles, int8 head) in "
+         "<work-dir>/serving/, which later loads map instead of repacking (docs/engine.md, \"Loading\").")
+
+
+def _written(work_dir: str, serving_layout: bool):
+    """What a command that wrote a checkpoint returns to the group (turbo's CLI packs its serving layout from it):
+    the folder, or ``None`` with ``--no-serving-layout``."""
+    from pathlib import Path
+
+    return Path(work_dir).expanduser().absolute() if serving_layout else None
+
+
 def _weight_options(fn):
     """Options every weight-quantization command takes (names as LMDeploy's ``lite`` uses them)."""
     opts = [
@@ -62,6 +78,7 @@ def _weight_options(fn):
         click.option("--rotate", is_flag=True,
                      help="Fold a random rotation of the residual stream into the weights first (QuaRot R1; a "
                           "standard checkpoint, with the output head untied)."),
+        _serving_layout_option,
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -111,13 +128,14 @@ def _order_options(fn):
 @_weight_options
 @friendly_errors
 def rtn(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-        mse_scales, rotate) -> None:
+        mse_scales, rotate, serving_layout):
     """Round-to-nearest W4A16 quantization of MODEL (name or checkpoint folder); no calibration data."""
     from .pipeline import PipelineConfig, quantize_model
 
     cfg = PipelineConfig(method="rtn", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
                          device=device, compute_dtype=compute_dtype, mse_scales=mse_scales, rotate=rotate)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
+    return _written(work_dir, serving_layout)
 
 
 @lite.command("auto-awq")
@@ -130,9 +148,9 @@ def rtn(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, w
 @_order_options
 @friendly_errors
 def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-             mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, e2e_steps,
+             mse_scales, rotate, serving_layout, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, e2e_steps,
              n_grid, no_clip, rounding, act_order,
-             static_groups, damp_percent) -> None:
+             static_groups, damp_percent):
     """AWQ W4A16 (Lin et al. 2024): activation-aware scales and clipping, layer by layer."""
     from .pipeline import PipelineConfig, quantize_model
 
@@ -143,6 +161,7 @@ def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dty
                          damp_percent=damp_percent, mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps,
                          e2e_steps=e2e_steps)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
+    return _written(work_dir, serving_layout)
 
 
 @lite.command("gptq")
@@ -152,8 +171,8 @@ def auto_awq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dty
 @click.option("--true-sequential/--no-true-sequential", default=True, show_default=True)
 @friendly_errors
 def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-         mse_scales, rotate, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, e2e_steps, act_order,
-         static_groups, damp_percent, true_sequential) -> None:
+         mse_scales, rotate, serving_layout, calib_dataset, calib_samples, calib_seqlen, seed, tune_steps, e2e_steps,
+         act_order, static_groups, damp_percent, true_sequential):
     """GPTQ W4A16 (Frantar et al. 2023): Hessian-aware rounding, layer by layer."""
     from .pipeline import PipelineConfig, quantize_model
 
@@ -164,6 +183,7 @@ def gptq(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, 
                          mse_scales=mse_scales, rotate=rotate, tune_steps=tune_steps,
                          e2e_steps=e2e_steps)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
+    return _written(work_dir, serving_layout)
 
 
 lite.add_command(gptq, "auto-gptq")
@@ -186,9 +206,10 @@ lite.add_command(gptq, "auto-gptq")
 @click.option("--work-dir", default="./work_dir", show_default=True, help="Output checkpoint folder.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at --work-dir.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last finished layer.")
+@_serving_layout_option
 @friendly_errors
 def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bits, search_windows, rotation, device,
-                 work_dir, overwrite, resume) -> None:
+                 work_dir, overwrite, resume, serving_layout):
     """Calibrated int8/int4 KV cache: per-layer key shift, per-channel key scales and Hadamard rotations of keys
     and values, searched on the attention error (docs/kv-cache.md).
 
@@ -200,3 +221,4 @@ def calibrate_kv(model, calib_dataset, calib_samples, calib_seqlen, seed, kv_bit
                         seed=seed, kv_bits=int(kv_bits), search_windows=search_windows, rotation=rotation,
                         device=device)
     run(model, cfg, work_dir, overwrite=overwrite, resume=resume)
+    return _written(work_dir, serving_layout)

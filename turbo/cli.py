@@ -1,6 +1,7 @@
 """The ``liteturbo`` command line: ``liteturbo chat`` (``--url``: on a server, :mod:`turbo.remote`), ``liteturbo
 serve`` (the HTTP API, :mod:`turbo.serve`), ``liteturbo route`` (:mod:`turbo.router`), ``liteturbo plan`` (will a
-model fit: :mod:`turbo.plan`), ``liteturbo env`` (hardware, versions, backends and their op coverage) and
+model fit: :mod:`turbo.plan`), ``liteturbo pack`` (save the engine's layout of the weights beside them:
+:mod:`turbo.core.serving_layout`; the ``lite`` commands do it after writing), ``liteturbo env`` (hardware, versions, backends and their op coverage) and
 ``liteturbo lite ...``: the quantizer's group from :mod:`lite.cli`, mounted here with one command added,
 ``lite eval-ppl`` (perplexity through turbo's engine, :mod:`turbo.perplexity`).
 """
@@ -40,6 +41,54 @@ def main() -> None:
 
 
 main.add_command(lite)
+
+
+def _pack(model, config) -> None:
+    """Save and report the serving layout of ``model`` for an engine with ``config`` (:mod:`turbo.core.serving_layout`)."""
+    import time
+
+    from turbo.core import pack_serving_layout
+
+    t = time.perf_counter()
+    folder = pack_serving_layout(config, model)
+    if folder is None:
+        click.echo("[liteturbo] no serving layout: this device's backend loads the checkpoint itself", err=True)
+    else:
+        size = sum(f.stat().st_size for f in folder.iterdir())
+        click.echo(f"[liteturbo] serving layout for this machine's engine: {folder} ({size / 2**30:.2f} GiB, "
+                   f"{time.perf_counter() - t:.1f} s); loads map it", err=True)
+
+
+@lite.result_callback()
+@friendly_errors
+def _after_writing(result, **_) -> None:
+    """After a ``lite`` command that wrote a checkpoint (it returns the folder unless ``--no-serving-layout``):
+    save the serving layout for this machine's default engine, so the first load maps it."""
+    if isinstance(result, Path):
+        from .config import EngineConfig
+
+        _pack(result, EngineConfig())
+
+
+@main.command()
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--lm-head", default="auto", show_default=True, type=click.Choice(["auto", "int8", "16bit"]),
+              help="The output head the engine will run (auto: int8 for quantized checkpoints on CPUs).")
+@click.option("--batch-invariant", is_flag=True, help="For engines started in batch-invariant mode.")
+@_device_options
+@friendly_errors
+def pack(model, dtype, lm_head, batch_invariant, device_opts) -> None:
+    """Save MODEL's weights as the engine holds them here (CPU: 4-bit tiles, fused q/k/v and gate/up, int8 head)
+    in MODEL/serving/, so that loads with the same options map them instead of repacking (`liteturbo lite` does
+    this after quantizing; docs/engine.md, "Loading")."""
+    from .config import EngineConfig
+
+    try:
+        config = EngineConfig(dtype=dtype, lm_head=lm_head, batch_invariant=batch_invariant, **device_opts)
+    except ValueError as e:
+        raise LiteturboError(f"bad option: {e}") from None
+    _pack(model, config)
 
 
 @lite.command("eval-ppl")

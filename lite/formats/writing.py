@@ -106,32 +106,56 @@ SAFETENSORS_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.flo
 SAFETENSORS_DTYPES = {v: k for k, v in SAFETENSORS_DTYPE_NAMES.items()}  # "BF16" -> torch.bfloat16
 
 
+PAD_PREFIX = "__pad__."  # the names of the filler tensors that align the others (``align`` > 8)
+
+
 def write_safetensors_streamed(path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                               read: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+                               read: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None,
+                               align: int = 8) -> int:
     """Write one safetensors file tensor by tensor, so that at most one tensor is in memory at a time.
 
     ``specs``: (name, dtype, shape) of every tensor, in file order; ``read(name)`` returns that tensor (CPU, the
     given dtype and shape), called once per name, after the header is written. The layout is the published
-    safetensors format (8-byte little-endian header length, a JSON header padded with spaces to 8 bytes, then the
-    tensors' bytes, C order, little-endian), the same bytes as ``safetensors.torch.save_file`` up to tensor order.
-    Returns the file size in bytes. Raises ``LiteturboError`` when a tensor read does not match its spec."""
+    safetensors format (8-byte little-endian header length, a JSON header padded with spaces, then the tensors'
+    bytes, C order, little-endian), the same bytes as ``safetensors.torch.save_file`` up to tensor order when
+    ``align`` is 8. ``align`` (a multiple of 8): every tensor starts at a multiple of ``align`` bytes from the
+    file's start (the header is padded with spaces and uint8 tensors named ``__pad__.<i>`` fill the gaps, so the
+    file stays a valid safetensors file with no holes); a mapped tensor's address is then aligned too, as vector
+    loads want. Returns the file size in bytes. Raises ``LiteturboError`` when a tensor read does not match its
+    spec, ``ValueError`` for an ``align`` that is not a positive multiple of 8."""
+    if align < 8 or align % 8:
+        raise ValueError(f"align must be a positive multiple of 8 bytes, got {align}")
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    order: list[tuple[str, torch.dtype, tuple[int, ...]] | int] = []  # an int: that many zero bytes of padding
     offset = 0
     for name, dtype, shape in specs:
+        if name.startswith(PAD_PREFIX):
+            raise ValueError(f"tensor name {name!r} is reserved for padding ({PAD_PREFIX}*)")
+        if offset % align:
+            gap = align - offset % align
+            header[f"{PAD_PREFIX}{len(order)}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            order.append(gap)
+            offset += gap
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         header[name] = {"dtype": SAFETENSORS_DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        order.append((name, dtype, shape))
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    blob += b" " * (-(len(blob) + 8) % align)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name, dtype, shape in specs:
+        for item in order:
+            if isinstance(item, int):
+                f.write(bytes(item))
+                continue
+            name, dtype, shape = item
             t = read(name)
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                 raise LiteturboError(f"tensor {name} came out {t.dtype} {tuple(t.shape)}, expected {dtype} "
                                      f"{tuple(shape)}; the partial-run folder is damaged: delete it and start again")
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():  # the tensor's own bytes through the buffer protocol, no second copy
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del t
         size = f.tell()
     return size

@@ -21,6 +21,7 @@ _PUBLIC = {
     "encode": "inputs",
     "chat_template_ids": "inputs",
     "load_tokenizer": "startup",
+    "pack_serving_layout": "startup",
 }
 
 __all__ = sorted(_PUBLIC)

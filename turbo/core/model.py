@@ -217,7 +217,7 @@ class LlamaModel:
     # ------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: Path, backend: Backend, dtype: torch.dtype,
-                        lm_head_int8: bool = False, shard=None) -> "LlamaModel":
+                        lm_head_int8: bool = False, shard=None, on_layer=None) -> "LlamaModel":
         """Load a 16/32-bit or W4A16 (AWQ, GPTQ, compressed-tensors) checkpoint folder, streaming it layer by layer.
 
         Tensors are read one at a time (:class:`~lite.formats.checkpoint.LazyStateDict`); each decoder layer's
@@ -231,6 +231,9 @@ class LlamaModel:
         table, steps of ``backend.dense_lm_head_min_rows`` rows or more multiply by the table itself (faster there).
         ``shard``: keep only this tensor-parallel rank's part of every weight (:class:`turbo.core.tp.shard.Shard`;
         each projection is split before q/k/v and gate/up are fused).
+        ``on_layer(i, layer)``: each decoder layer, once prepared, is handed to this callable and not kept (the
+        model then has no layers: a writer of the prepared weights, :mod:`turbo.core.serving_layout`, holds one
+        layer at a time).
         Raises ``LiteturboError`` on bad input (missing or misshaped tensors, layers beyond
         ``num_hidden_layers``, partly quantized fused linears, unreadable files).
         """
@@ -313,7 +316,11 @@ class LlamaModel:
             if unused:
                 raise LiteturboError(f"decoder layer {i} holds tensors a {cfg.model_type} model with this config.json "
                                      f"does not use (e.g. {unused[0]!r}); config.json does not belong to these weights")
-            model.layers.append(layer)
+            if on_layer is None:
+                model.layers.append(layer)
+            else:
+                on_layer(i, layer)
+            del layer
         rows = (lambda t: t) if shard is None else shard.rows  # a rank keeps its vocabulary rows
         model.embed = rows(take("model.embed_tokens.weight")).to(dev, dtype)
         model.norm = take("model.norm.weight").to(dev, dtype)

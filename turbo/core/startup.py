@@ -1,6 +1,7 @@
 """Engine start-up as plain functions, one path for every rank: :func:`load_rank` resolves the model and options
 (with tensor parallelism, the rank's shard), sizes the threads, refuses before loading what cannot fit, loads the
-weights and KV parameters and counts the KV blocks free memory leaves room for. Rank 0 runs it through :func:`start`,
+weights (mapped from a saved serving layout when one matches, :mod:`turbo.core.serving_layout`) and KV parameters
+and counts the KV blocks free memory leaves room for. Rank 0 runs it through :func:`start`,
 which then builds the runner, block manager and scheduler and returns them as one :class:`EngineParts`; with
 ``tensor_parallel_size > 1`` rank 0's :func:`load_rank` also spawns the workers
 (:class:`turbo.core.tp.group.WorkerGroup`), each of which runs :func:`load_rank` as its own rank
@@ -25,7 +26,7 @@ from backends.platform import Platform, current_platform
 from lite.formats import LiteturboError, load_config, load_kv_params, resolve_model
 
 from ..config import EngineConfig
-from . import planner
+from . import planner, serving_layout
 from .block_manager import BlockManager
 from .model import LlamaModel, ModelConfig
 from .runner import ModelRunner
@@ -145,6 +146,17 @@ def resolve(config: EngineConfig, model: str | Path | None, rank: int = 0) -> Fi
         shard = Shard.of(model_cfg, rank, tp)
     return Fit(path, config, platform, backend, dtype, model_cfg, weights, lm_int8, config.kv_storage_dtype(),
                raw_cfg, shard)
+
+
+def pack_serving_layout(config: EngineConfig, model: str | Path | None) -> Path | None:
+    """Save the serving layout of ``model`` as an engine with ``config`` would load it here
+    (:func:`turbo.core.serving_layout.save`); returns its folder, or ``None`` when this backend has none (a GPU
+    backend) or with tensor parallelism (each rank loads its shard from the checkpoint). Raises ``LiteturboError``
+    for a bad model or option, or a folder that cannot be written."""
+    if config.tensor_parallel_size > 1:
+        return None
+    fit = resolve(config, model)
+    return serving_layout.save(fit.path, fit.backend, fit.dtype, fit.lm_int8)
 
 
 def rank_free(fit: Fit) -> int:
@@ -320,8 +332,11 @@ def load_rank(config: EngineConfig, model: str | Path | None, rank: int = 0) -> 
     pool = ThreadPoolExecutor(1, thread_name_prefix="liteturbo-tokenizer") if rank == 0 else None
     tok_future = pool.submit(load_tokenizer, fit.path) if pool is not None else None
     try:
-        llama = LlamaModel.from_pretrained(fit.path, fit.backend, fit.dtype, lm_head_int8=fit.lm_int8,
-                                           shard=fit.shard)
+        # a saved serving layout (the backend's prepared weights, mapped) when one matches, else the checkpoint
+        llama = (None if fit.shard is not None else serving_layout.load(fit.path, fit.backend, fit.dtype, fit.lm_int8))
+        if llama is None:
+            llama = LlamaModel.from_pretrained(fit.path, fit.backend, fit.dtype, lm_head_int8=fit.lm_int8,
+                                               shard=fit.shard)
         tokenizer = tok_future.result() if tok_future is not None else None
         kv_params = kv_calibration(fit, llama.cfg)
         num_blocks, workspace_bytes = pool_blocks(fit, rank_free(fit))
