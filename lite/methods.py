@@ -205,12 +205,14 @@ class QuantMethod:
         warnings.warn(f"layer {self.layer_index} {linear}: {message}")
         self.notes.append({"layer": self.layer_index, "linear": linear, "event": message, **fields})
 
-    def _gptq(self, name: str, w: torch.Tensor, H: torch.Tensor) -> QuantizedWeight:
+    def _gptq(self, name: str, w: torch.Tensor, H: torch.Tensor, consume_h: bool = False) -> QuantizedWeight:
+        """GPTQ of one linear (``consume_h``: ``H`` is not used again and may be overwritten), its events noted."""
         from .gptq import gptq_quantize
 
         cfg, info = self.cfg, {}
         qw = gptq_quantize(w, H, cfg.w_bits, cfg.w_group_size, cfg.w_sym, cfg.act_order, cfg.static_groups,
-                           cfg.block_size, cfg.damp_percent, min_zero=self.min_zero, mse=cfg.mse_scales, info=info)
+                           cfg.block_size, cfg.damp_percent, min_zero=self.min_zero, mse=cfg.mse_scales, info=info,
+                           consume_h=consume_h)
         if "damp_percent" in info:
             self.note(name, f"GPTQ dampening raised from {cfg.damp_percent} to {info['damp_percent']:.3g} of the "
                             f"mean Hessian diagonal (Cholesky failed: often too few calibration tokens for this "
@@ -250,10 +252,15 @@ class GPTQ(QuantMethod):
         for group in groups:
             heads = list(dict.fromkeys(input_head(n) for n in group))
             stats = collect_stats(layer, batch, heads, hessian=True, keep=0, stop_after=heads[-1] if seq else None)
+            last = {input_head(n): n for n in group}  # the linear after which a head's Hessian is not needed
             for n in group:
                 lin = layer.get_submodule(n)
-                qw = self._gptq(n, lin.weight.data, stats[input_head(n)].H)
-                lin.weight.data = qw.dequantize(torch.float32).to(lin.weight.device)
+                head = stats[input_head(n)]
+                qw = self._gptq(n, lin.weight.data, head.H, consume_h=last[input_head(n)] == n)
+                if last[input_head(n)] == n:
+                    head.H = None
+                # only forwards read it now, and under autocast they cast it to the compute dtype: store it there
+                lin.weight.data = qw.dequantize(torch.float32).to(lin.weight.device, batch.dtype)
                 result[n] = qw
         return result
 
@@ -362,7 +369,7 @@ class AWQ(QuantMethod):
                 w = apply_clip(w, max_val, cfg.w_group_size)
             if cfg.awq_rounding == "gptq":
                 H = stats[head].H / (s.unsqueeze(1) * s.unsqueeze(0))  # Hessian of the scaled inputs x / s
-                result[n] = self._gptq(n, w, H)
+                result[n] = self._gptq(n, w, H, consume_h=True)
             else:
                 result[n] = quantize_rtn(w, cfg.w_bits, cfg.w_group_size, cfg.w_sym, min_zero=self.min_zero,
                                          mse=cfg.mse_scales)

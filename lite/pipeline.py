@@ -249,7 +249,8 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
 
     cfg = method.cfg
     n_layers = len(lazy.layers)
-    inps, kws = lazy.capture_inputs(samples) if samples else ([], [])
+    # with a rotation the float32 states are rotated first, then stored in the compute dtype
+    inps, kws = lazy.capture_inputs(samples, None if rotation is not None else cdtype) if samples else ([], [])
     if rotation is not None:
         inps = [rotation.rotate_inputs(h) for h in inps]
     batch = LayerBatch([x.to(cdtype) for x in inps], kws, cdtype)
