@@ -91,8 +91,15 @@ class QuantizedWeight:
         return bool(torch.equal(self.g_idx.long(), ref))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dense ``[out_features, in_features]`` weight in ``dtype`` (computed in float32, or float64 if asked)."""
+        """Dense ``[out_features, in_features]`` weight in ``dtype`` (computed in float32, or float64 if asked; without
+        ``g_idx`` in one buffer of that size)."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
+        if self.g_idx is None:  # contiguous groups: one [out, in] buffer, per-group zero points and scales broadcast
+            out_f, in_f = self.qweight.shape
+            gs = self.effective_group_size
+            w = self.qweight.to(work, memory_format=torch.contiguous_format).view(out_f, in_f // gs, gs)
+            w.sub_(self.qzeros.to(work).t().unsqueeze(-1)).mul_(self.scales.to(work).t().unsqueeze(-1))
+            return w.view(out_f, in_f).to(dtype)
         g = self.group_index()
         z = self.qzeros.to(work)[g].t()  # [out, in]
         s = self.scales.to(work)[g].t()

@@ -23,9 +23,10 @@ bytes: 2 for bfloat16, 4 for float32):
     H``), the MLP's intermediates while it runs (``3 x T x I`` float32) and a linear's concatenated loss inputs
     (``T x max(q, I) x c``), the clipping inputs and the search's weight copies (3 x the largest scaling group); with ``gptq`` rounding the four
     input Hessians (``2H² + q² + I²`` floats).
-  - ``gptq``: the Hessian of the current input (``in x in``) and GPTQ's working copies (Hessian copy and inverse:
-    2 more ``in x in``; the weight and its quantized copy ``2 x out x in``), for the largest input (the MLP's down
-    projection).
+  - ``gptq``: for the largest input (the MLP's down projection), its Hessian (``in x in``, float32, which the
+    solver dampens, permutes and then replaces in place) with the solver's inverse and its Cholesky factor (2 more
+    ``in x in``), the float32 working weight and its codes (``out x in x 5`` bytes). Measured at Llama-3.1-8B shapes
+    (``python bench/scale.py --sizes 8b --calib-layers 1``, 2026-12-05): 4.96 GiB peak RSS for the process.
 
 Measured against ``lite`` runs in ``tests/test_planner.py`` (the peak resident memory a run adds on CPU).
 """
@@ -94,7 +95,7 @@ def quantize_peak(config: dict, method: str = "awq", calib_samples: int = 128, c
         gptq_in = max(h, q, inter)
         out_for = {h: 2 * inter, q: h, inter: h}
         method_parts = {"hessian and inverse": 3 * gptq_in * gptq_in * F32,
-                        "gptq weight copies": 2 * out_for.get(gptq_in, h) * gptq_in * F32}
+                        "gptq weight copies": out_for.get(gptq_in, h) * gptq_in * (F32 + 1)}
     if tune:
         method_parts["tuning"] = 4 * layer_params * F32 + 4 * calib_seqlen * (12 * h + 6 * inter) * F32
     layer = {"layer weights": weights, "layer inputs": tokens * h * c, **method_parts}

@@ -111,8 +111,10 @@ def _layer_tensors(layer, idx: int, qws: dict[str, QuantizedWeight], cfg: Pipeli
     return out
 
 
-def _load_layer_tensors(layer, idx: int, tensors: dict[str, torch.Tensor], cfg: PipelineConfig) -> None:
-    """Put a finished layer's saved tensors back into ``layer`` (dequantized weights, norms, biases)."""
+def _load_layer_tensors(layer, idx: int, tensors: dict[str, torch.Tensor], cfg: PipelineConfig,
+                        linear_dtype: torch.dtype = torch.float32) -> None:
+    """Put a finished layer's saved tensors back into ``layer`` (dequantized weights in ``linear_dtype``: the
+    compute dtype, to which autocast casts them anyway; norms and biases in float32)."""
     p = f"model.layers.{idx}"
     dev = next(iter(layer.parameters())).device
     for n, param in layer.named_parameters():
@@ -124,7 +126,7 @@ def _load_layer_tensors(layer, idx: int, tensors: dict[str, torch.Tensor], cfg: 
             fmt, pre = weight_format(cfg.out_format), f"{p}.{mod}."
             parts = {k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)}
             qw = fmt.unpack(parts, cfg.w_bits, cfg.w_group_size, bool(cfg.w_sym))
-            param.data = qw.dequantize(torch.float32).to(dev)
+            param.data = qw.dequantize(torch.float32).to(dev, linear_dtype)
         else:
             raise LiteturboError(f"saved layer {idx} lacks {key}; delete the .partial folder and start again")
 
@@ -289,7 +291,8 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
             tmp = f.with_suffix(".tmp")
             save_file(tensors, str(tmp))
             os.replace(tmp, f)
-        _load_layer_tensors(layer, i, tensors, cfg)
+        if method.calibrated:  # the next layer's inputs come from this one, quantized (RTN reads no inputs)
+            _load_layer_tensors(layer, i, tensors, cfg, batch.dtype)
         if reference is not None:
             reference.inputs, batch.targets = batch.targets, None
         if i + 1 < n_layers and method.calibrated:
