@@ -150,9 +150,10 @@ class LazyCheckpoint:
             if shape != tuple(p.shape):
                 raise config_mismatch(name, shape, tuple(p.shape))
 
-    def materialize(self, module: torch.nn.Module, prefix: str) -> None:
+    def materialize(self, module: torch.nn.Module, prefix: str, float32: bool = True) -> None:
         """Load ``module``'s parameters (``prefix.name``) onto the device in float32 (quantized linears of a
-        W4A16 source dequantized)."""
+        W4A16 source dequantized); ``float32=False`` keeps each tensor in its stored dtype (half the memory of a
+        16-bit layer, for a run that only reads the weights, such as RTN: ``.float()`` of them is the same)."""
         from accelerate.utils import set_module_tensor_to_device
 
         for n, _ in list(module.named_parameters()):
@@ -160,8 +161,9 @@ class LazyCheckpoint:
             if key not in self.where and self.qspec is not None and n.endswith(".weight"):
                 value = self._dequantized(key[: -len(".weight")])
             else:
-                value = self.tensor(key).float()
-            set_module_tensor_to_device(module, n, self.device, value=value)
+                value = self.tensor(key)
+                value = value.float() if float32 or not value.is_floating_point() else value
+            set_module_tensor_to_device(module, n, self.device, value=value, dtype=value.dtype)
 
     def _dequantized(self, prefix: str) -> torch.Tensor:
         """float32 ``[out, in]`` weight of the quantized linear ``prefix``."""

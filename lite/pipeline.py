@@ -268,7 +268,8 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
         reference = LayerBatch([x.clone() for x in batch.inputs[:n_ref]], kws[:n_ref], cdtype)
     for i in bar:
         layer = lazy.layers[i]
-        lazy.materialize(layer, f"model.layers.{i}")
+        # RTN without a rotation only reads each weight (as float32, one at a time): keep the layer as stored
+        lazy.materialize(layer, f"model.layers.{i}", float32=method.calibrated or rotation is not None)
         if rotation is not None:
             rotation.fold_layer(layer)
         if reference is not None:
