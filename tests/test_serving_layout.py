@@ -169,6 +169,16 @@ def test_cli_packs_after_quantizing_and_on_request(tmp_path):
     r = runner.invoke(main, ["pack", str(tmp_path / "b"), "--threads", "1"])
     assert r.exit_code == 0, r.output
     assert len(list((tmp_path / "b" / "serving").glob("*/layout.json"))) == 1
+    # packing fails after a successful quantization: a warning, exit 0, the checkpoint complete
+    from turbo.core import serving_layout as sl
+
+    def broken(*a, **k):
+        raise LiteturboError("cannot write the serving layout into X (No space left on device)")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sl, "save", broken)
+        r = runner.invoke(main, ["lite", "rtn", str(src), "--w-group-size", "32", "--work-dir", str(tmp_path / "c")])
+    assert r.exit_code == 0 and "warning:" in r.output and "liteturbo pack" in r.output
+    assert (tmp_path / "c" / "model.safetensors").is_file()
     r = runner.invoke(main, ["pack", str(tmp_path / "nope")])
     assert r.exit_code == 2 and "error:" in r.output
     if os.geteuid() != 0:  # root writes anywhere

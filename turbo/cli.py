@@ -60,14 +60,18 @@ def _pack(model, config) -> None:
 
 
 @lite.result_callback()
-@friendly_errors
 def _after_writing(result, **_) -> None:
     """After a ``lite`` command that wrote a checkpoint (it returns the folder unless ``--no-serving-layout``):
-    save the serving layout for this machine's default engine, so the first load maps it."""
+    save the serving layout for this machine's default engine, so the first load maps it. The checkpoint is
+    complete either way, so a layout that cannot be saved is a warning, not a failed command."""
     if isinstance(result, Path):
         from .config import EngineConfig
 
-        _pack(result, EngineConfig())
+        try:
+            _pack(result, EngineConfig())
+        except LiteturboError as e:
+            click.echo(f"warning: the checkpoint {result} is complete, but its serving layout was not saved ({e}); "
+                       f"loads will repack it, `liteturbo pack {result}` retries", err=True)
 
 
 @main.command()
