@@ -59,8 +59,9 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, bits: int = 4, group_si
     ``info`` (optional dict) receives ``damp_percent`` (the dampening used, as a fraction of the mean diagonal)
     and ``fallback`` (a reason, when the solver gave up and rounded to nearest). ``consume_h``: ``H`` (float32) is
     the caller's last use and is overwritten (permuted, dampened, then replaced by its inverse) instead of copied.
-    Memory: besides ``W`` (a float32 copy and the codes), at most three ``[in, in]`` float32 matrices are alive at
-    once (two with ``consume_h``), e.g. 2.3 GiB for Llama-3.1-8B's down_proj (in = 14,336). Raises ``ValueError``
+    Memory: besides ``W`` (a float32 copy and the codes), three ``[in, in]`` float32 matrices are alive at once at
+    most, the caller's ``H`` among them with ``consume_h`` (without it, the caller's ``H`` is a fourth), e.g.
+    2.3 GiB for Llama-3.1-8B's down_proj (in = 14,336). Raises ``ValueError``
     for a bad group size.
     """
     info = {} if info is None else info

@@ -249,6 +249,8 @@ class LlamaModel:
         dev = backend.device
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
+            """Tensor ``name`` read from the checkpoint and forgotten by the reader; ``None`` when absent and not
+            ``required``, else ``LiteturboError``."""
             t = sd.pop(name, None)
             if t is None and required:
                 raise LiteturboError(f"checkpoint {path} lacks tensor {name!r} (an incomplete copy or download, or a "
@@ -386,6 +388,7 @@ class LlamaModel:
         seen: set[int] = set()
 
         def size(*objs) -> int:
+            """Bytes of the storages in ``objs`` not counted yet (see :func:`storage_nbytes`)."""
             return storage_nbytes(objs, seen)
 
         norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]

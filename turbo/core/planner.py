@@ -242,6 +242,7 @@ def size_pool(free: int, workspace, bytes_per_block: int, block_size: int, *, nu
         return PoolSize(fixed if 0 < asked <= available else 0, available, asked, what), ws
 
     def fits(n: int) -> bool:
+        """Whether ``n`` blocks fit in the ``frac`` share of ``free`` bytes left after the workspace for them."""
         return n * bytes_per_block <= frac * max(free - sum(ws_for(n).values()), 0)
 
     lo, hi = 0, int(frac * max(free - sum(ws_for(0).values()), 0) // bytes_per_block)

@@ -240,6 +240,7 @@ def load(path: Path, backend: Backend, dtype: torch.dtype, lm_head_int8: bool) -
         types = {t.__name__: t for t in backend.serving_handle_types()}
 
         def objects(entry: dict) -> dict:
+            """One file's objects (its ``layout.json`` entry), decoded over its mapped, paged-in tensors."""
             tensors = _map(folder / entry["file"])
             return {k: _decode(v, tensors, backend, types) for k, v in entry["objects"].items()}
         for entry in meta["layers"]:
