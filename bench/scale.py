@@ -178,6 +178,62 @@ def measure_size(size: str, args, notes: list[str]) -> dict:
     return row
 
 
+def decode_pairs(w4: str, lc_spec: dict, common: dict, pairs: int, timeout: float, notes: list[str]) -> dict:
+    """Batch-1 decode of turbo and llama.cpp in alternating rounds: both engines loaded at once in processes of their
+    own (``--part decode_server``), each round one decode of ``new_tokens`` after the same prompt, one engine at a
+    time (the other waits on its stdin), in the order turbo, llama.cpp, llama.cpp, turbo, ... (ABBA, so a drift of
+    the machine's bandwidth during the run falls on both alike). ``pairs`` pairs; each pair's ratio is turbo /
+    llama.cpp of two rounds measured seconds apart, and the result's ``decode_vs_llama_cpp_paired`` is their median
+    (this VM's bandwidth swings by +-25 % over minutes, which the separate parts' best-of ratio does not cancel).
+    Empty (with a note) when either server fails."""
+    specs = {"turbo": {**common, "engine": "turbo", "model": w4}, "llama_cpp": {**lc_spec, "engine": "llama_cpp"}}
+    procs, errs = {}, {}
+    try:
+        for name, spec in specs.items():
+            errs[name] = tempfile.TemporaryFile()
+            procs[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--part", "decode_server",
+                                            "--spec", json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=errs[name], text=True, cwd=str(HERE.parent))
+
+        def reply(name: str) -> dict:
+            """The next JSON line of a server (its other output skipped); raises when it exits."""
+            for line in procs[name].stdout:
+                if line.startswith("{"):
+                    return json.loads(line)
+            errs[name].seek(0)
+            tail = " | ".join(errs[name].read().decode(errors="replace").strip().splitlines()[-3:])
+            raise RuntimeError(f"{name} decode server exited with status {procs[name].wait(timeout)}: {tail[-400:]}")
+
+        for name in procs:
+            reply(name)  # loaded and warmed up
+        rounds = {"turbo": [], "llama_cpp": []}
+        for i in range(pairs):
+            for name in (("turbo", "llama_cpp") if i % 2 == 0 else ("llama_cpp", "turbo")):
+                procs[name].stdin.write("go\n")
+                procs[name].stdin.flush()
+                rounds[name].append(reply(name)["decode_tok_s"])
+                time.sleep(0.2)  # the idle engine's spinning threads go to sleep before the next round
+    except (RuntimeError, OSError, ValueError) as e:
+        notes.append(f"decode pairs: {e}")
+        return {}
+    finally:
+        for p in procs.values():
+            if p.stdin:
+                p.stdin.close()
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in errs.values():
+            f.close()
+    ratios = sorted(t / max(lc, 1e-9) for t, lc in zip(rounds["turbo"], rounds["llama_cpp"]))
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return {"decode_vs_llama_cpp_paired": round(median, 3),
+            "decode_pairs": [{"turbo": t, "llama_cpp": lc} for t, lc in zip(rounds["turbo"], rounds["llama_cpp"])]}
+
+
 def measure_peers(ckpt: Path, w4: Path, common: dict, args, row: dict, notes: list[str]) -> None:
     """llama.cpp (Q4_0 of the same weights) and vLLM-CPU (the W4A16 checkpoint) into ``row``, when they run."""
     import synthetic
@@ -191,11 +247,14 @@ def measure_peers(ckpt: Path, w4: Path, common: dict, args, row: dict, notes: li
         if gguf:
             row.update(gguf_f16_seconds=gguf["f16_seconds"], llama_cpp_quantize_seconds=gguf["quantize_seconds"],
                        llama_cpp_gguf=gguf["q4_0"])
-            lc = run_part("llama_cpp", {**common, "model": str(ckpt), "gguf": gguf["q4_0"],
-                                        "extra_bufts": not args.llama_cpp_no_extra_bufts}, args.part_timeout, notes)
+            lc_spec = {**common, "model": str(ckpt), "gguf": gguf["q4_0"],
+                       "extra_bufts": not args.llama_cpp_no_extra_bufts}
+            lc = run_part("llama_cpp", lc_spec, args.part_timeout, notes)
             if lc:
                 row.update(llama_cpp_decode_tok_s=lc["decode_tok_s"], llama_cpp_prefill_tok_s=lc["prefill_tok_s"],
                            llama_cpp_load_seconds=lc["load_seconds"], llama_cpp_peak_rss_bytes=lc["_peak_rss"])
+                if args.decode_pairs:
+                    row.update(decode_pairs(str(w4), lc_spec, common, args.decode_pairs, args.part_timeout, notes))
     reason = vllm_missing()
     if reason:
         notes.append(reason)
@@ -374,11 +433,11 @@ def part_gguf(spec: dict) -> dict:
     return out
 
 
-def part_llama_cpp(spec: dict) -> dict:
-    """llama.cpp's load, decode and prefill of the Q4_0 GGUF with the same prompt ids as turbo."""
+def _gguf_llama_cpp(spec: dict, n_ctx: int):
+    """bench/peers.py's llama.cpp runner on ``spec["gguf"]`` with ``spec["threads"]`` threads (without the extra CPU
+    buffer types unless ``spec["extra_bufts"]``)."""
     from peers import LlamaCpp
 
-    ids, long_ids = _prompts(spec["model"], spec["prefill"])
     if not spec["extra_bufts"]:
         from contention import no_extra_buffer_types
 
@@ -393,13 +452,50 @@ def part_llama_cpp(spec: dict) -> dict:
             self.llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
                              n_ubatch=512, flash_attn=True, verbose=False)
 
+    return GgufLlamaCpp(spec["gguf"], spec["threads"], n_ctx)
+
+
+def part_llama_cpp(spec: dict) -> dict:
+    """llama.cpp's load, decode and prefill of the Q4_0 GGUF with the same prompt ids as turbo."""
+    ids, long_ids = _prompts(spec["model"], spec["prefill"])
     n_ctx = max(2048, len(ids) + spec["new_tokens"], len(long_ids) + 8)
     t = time.perf_counter()
-    peer = GgufLlamaCpp(spec["gguf"], spec["threads"], n_ctx)
+    peer = _gguf_llama_cpp(spec, n_ctx)
     load = time.perf_counter() - t
     return {"load_seconds": round(load, 3),
             "decode_tok_s": round(peer.decode_tok_s(ids, spec["new_tokens"], spec["repeats"]), 2),
             "prefill_tok_s": round(peer.prefill_tok_s(long_ids, spec["repeats"]), 1)}
+
+
+def part_decode_server(spec: dict) -> dict:
+    """One engine (``spec["engine"]``: turbo on the W4A16 checkpoint or llama.cpp on the Q4_0 GGUF) loaded and warmed
+    up, then one batch-1 decode of ``new_tokens`` after bench/decode.py's chat prompt per ``go`` line on stdin, its
+    tok/s printed as a JSON line; returns at the end of stdin (see :func:`decode_pairs`)."""
+    ids, _ = _prompts(spec["model"], 8)
+    n = spec["new_tokens"]
+    if spec["engine"] == "turbo":
+        import torch
+
+        from turbo import Engine, GenerationConfig
+
+        torch.set_num_threads(spec["threads"])
+        engine = Engine(spec["model"], threads=spec["threads"], enable_prefix_caching=False,
+                        max_kv_tokens=spec["max_kv_tokens"], max_batch_size=1)
+        gen = GenerationConfig(max_new_tokens=n, ignore_eos=True)
+        engine.generate(ids, GenerationConfig(max_new_tokens=8, ignore_eos=True))
+
+        def once() -> float:
+            return engine.generate(ids, gen).decode_tokens_per_s
+    else:
+        peer = _gguf_llama_cpp(spec, max(2048, len(ids) + n))
+        peer.generate(ids, 8)
+
+        def once() -> float:
+            return (n - 1) / max(peer.seconds(ids, n) - peer.seconds(ids, 1), 1e-9)
+    print(json.dumps({"ready": spec["engine"]}), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps({"decode_tok_s": round(once(), 2)}), flush=True)
+    return {"done": spec["engine"]}
 
 
 def part_vllm(spec: dict) -> dict:
@@ -416,7 +512,7 @@ def part_vllm(spec: dict) -> dict:
 
 
 PARTS = {"copy": part_copy, "turbo": part_turbo, "gguf": part_gguf, "llama_cpp": part_llama_cpp, "vllm": part_vllm,
-         "calibrated": part_calibrated}
+         "calibrated": part_calibrated, "decode_server": part_decode_server}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -501,6 +597,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measurement")
     ap.add_argument("--repeats", type=int, default=3, help="decode and prefill: the best of this many runs")
     ap.add_argument("--max-kv-tokens", type=int, default=4096, help="turbo's KV pool (and the plan's)")
+    ap.add_argument("--decode-pairs", type=int, default=6,
+                    help="alternating turbo / llama.cpp decode rounds, both engines loaded (0: skip; see "
+                         "decode_vs_llama_cpp_paired)")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the tensor copied for the bandwidth")
     ap.add_argument("--no-peers", action="store_true", help="skip llama.cpp and vLLM (their keys are null)")
     ap.add_argument("--calib-layers", type=int, default=2,
