@@ -202,3 +202,16 @@ def test_changed_checkpoint_while_packing_is_refused(w4, monkeypatch):
         serving_layout.save(w4, _backend(), torch.float32, lm_head_int8=False)
     assert not [p for p in (w4 / "serving").iterdir() if p.name.startswith(".")]
 
+
+
+def test_a_file_where_the_layout_folder_belongs_is_named(w4, tmp_path):
+    """A file named ``serving`` in the checkpoint folder: the error names that file and `liteturbo pack`, not a
+    permission problem; the file is left as it was."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(w4, ck, ignore=shutil.ignore_patterns("serving"))
+    (ck / "serving").write_text("junk")
+    with pytest.raises(LiteturboError, match=r"serving is a file where a folder belongs.*liteturbo pack"):
+        serving_layout.save(ck, _backend(), torch.float32, lm_head_int8=False)
+    assert (ck / "serving").read_text() == "junk"

@@ -52,7 +52,9 @@ def _pack(model, config) -> None:
     t = time.perf_counter()
     folder = pack_serving_layout(config, model)
     if folder is None:
-        click.echo("[liteturbo] no serving layout: this device's backend loads the checkpoint itself", err=True)
+        why = ("tensor-parallel ranks each load their shard from the checkpoint" if config.tensor_parallel_size > 1
+               else "this device's backend loads the checkpoint itself")
+        click.echo(f"[liteturbo] no serving layout written: {why}", err=True)
     else:
         size = sum(f.stat().st_size for f in folder.iterdir())
         click.echo(f"[liteturbo] serving layout for this machine's engine: {folder} ({size / 2**30:.2f} GiB, "

@@ -149,8 +149,14 @@ def save(path: Path, backend: Backend, dtype: torch.dtype, lm_head_int8: bool) -
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     except OSError as e:
+        blocker = next((p for p in (target.parent, target.parent.parent) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise LiteturboError(f"cannot write the serving layout: {blocker} is a file where a folder belongs; move "
+                                 f"or delete it, then run `liteturbo pack {path}` (the `lite` commands: or pass "
+                                 f"--no-serving-layout)") from None
         raise LiteturboError(f"cannot write the serving layout into {target.parent} ({e.strerror or e}); make the "
-                             f"checkpoint folder writable or skip packing (--no-serving-layout)") from None
+                             f"checkpoint folder writable and run `liteturbo pack {path}`, or skip packing (the "
+                             f"`lite` commands: --no-serving-layout; loads then prepare the weights each time)") from None
     types = backend.serving_handle_types()
     try:
         before = fingerprint(path)
