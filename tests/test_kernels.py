@@ -559,7 +559,7 @@ def test_fitted_group_params_never_lose_to_min_max_and_keep_the_format(group_siz
         assert fit.scales.dtype == torch.float16 and bool((fit.scales > 0).all())
         e_plain, e_fit = _weighted_err(plain, w, importance), _weighted_err(fit, w, importance)
         assert bool((e_fit <= e_plain * (1 + 1e-6) + 1e-12).all()), float((e_fit - e_plain).max())
-        assert float(e_fit.sum()) < 0.85 * float(e_plain.sum()), (float(e_fit.sum()), float(e_plain.sum()))
+        assert float(e_fit.sum()) < 0.97 * float(e_plain.sum()), (float(e_fit.sum()), float(e_plain.sum()))
         deq, _ = _rtn_dequant_f64(fit)
         assert torch.equal(deq[5], torch.zeros(256, dtype=torch.float64))  # an all-zero row stays exact
     # the importance is what the weighted fit optimizes: on the important channels it beats the uniform fit
