@@ -1,7 +1,7 @@
 """Fidelity users feel: how far each quantized checkpoint and KV cache dtype is from the 16-bit model, by the next-token
 distribution and by what the served replies do.
 
-    python bench/fidelity.py [--model smollm2-135m-instruct] [--checkpoints 16-bit,rtn,rtn-plain,gptq,auto-awq,gptq-e2e]
+    python bench/fidelity.py [--model smollm2-135m-instruct] [--checkpoints 16-bit,rtn,gptq,auto-awq,gptq-e2e]
                              [--kv auto,int8,int4,int4-rotated] [--max-windows 40] [--prompts 20] [--work DIR [--reuse]]
                              [--json]
 
@@ -45,7 +45,6 @@ import torch
 
 RECIPES = {  # checkpoint name -> `liteturbo lite` arguments after the command's name
     "rtn": ["rtn"],
-    "rtn-plain": ["rtn", "--plain"],
     "gptq": ["gptq"],
     "auto-awq": ["auto-awq"],
     "gptq-e2e": ["gptq", "--e2e-steps", "40"],
@@ -237,7 +236,7 @@ def main() -> None:
     """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--checkpoints", default="16-bit,rtn,rtn-plain,gptq,auto-awq,gptq-e2e")
+    ap.add_argument("--checkpoints", default="16-bit,rtn,gptq,auto-awq,gptq-e2e")
     ap.add_argument("--kv", default="auto,int8,int4,int4-rotated", help="KV rows of the 16-bit and rtn checkpoints")
     ap.add_argument("--max-windows", type=int, default=40, help="windows of 2048 tokens (KL and perplexity)")
     ap.add_argument("--prompts", type=int, default=20, help="schema, tool and greedy prompts per row")

@@ -126,19 +126,14 @@ def _order_options(fn):
 @lite.command("rtn")
 @click.argument("model", required=False, default=DEFAULT_MODEL)
 @_weight_options
-@click.option("--plain", is_flag=True,
-              help="Plain rounding from each group's min/max (the classic RTN) instead of the default least-squares "
-                   "fit of each group's scale and zero point.")
 @friendly_errors
 def rtn(model, w_bits, w_group_size, w_sym, out_format, device, compute_dtype, work_dir, overwrite, resume,
-        mse_scales, rotate, serving_layout, plain):
-    """W4A16 quantization of MODEL (name or checkpoint folder) without calibration data: each group's scale and
-    zero point fitted by least squares to its weights (--plain: round-to-nearest from min/max)."""
+        mse_scales, rotate, serving_layout):
+    """Round-to-nearest W4A16 quantization of MODEL (name or checkpoint folder); no calibration data."""
     from .pipeline import PipelineConfig, quantize_model
 
     cfg = PipelineConfig(method="rtn", w_bits=w_bits, w_group_size=w_group_size, w_sym=w_sym, out_format=out_format,
-                         device=device, compute_dtype=compute_dtype, mse_scales=mse_scales, rotate=rotate,
-                         rtn_fit=False if plain else None)
+                         device=device, compute_dtype=compute_dtype, mse_scales=mse_scales, rotate=rotate)
     quantize_model(model, cfg, work_dir, overwrite=overwrite, resume=resume)
     return _written(work_dir, serving_layout)
 

@@ -223,49 +223,17 @@ class QuantMethod:
 
 
 class RTN(QuantMethod):
-    """Round to nearest per group (:mod:`lite.rtn`); no calibration. With ``cfg.rtn_fit`` (``lite rtn``'s default)
-    each group's scale and zero point are fitted by least squares (:func:`lite.rtn.fit_group_params`), the error of
-    a linear that reads a norm's output weighted by that norm's weight squared per input channel (the scale its
-    input channels arrive with; :data:`lite.formats.arch.RESIDUAL_READERS`)."""
+    """Round to nearest per group (:mod:`lite.rtn`); no calibration."""
 
     name, calibrated = "rtn", False
 
     def quantize_layer(self, layer, batch):
         """See :meth:`QuantMethod.quantize_layer`."""
-        from .formats.arch import RESIDUAL_READERS
         from .rtn import quantize_rtn
 
         cfg = self.cfg
-        importance = {}
-        if cfg.rtn_fit and cfg.rtn_importance in ("norm", "proxy"):
-            for norm, readers in RESIDUAL_READERS[self.model_type]:
-                gamma = layer.get_submodule(norm).weight.data.float()
-                importance.update({n: gamma.square() for n in readers})
-        if cfg.rtn_fit and cfg.rtn_importance == "proxy":
-            importance.update(_activation_proxy(layer, importance))
         return {n: quantize_rtn(layer.get_submodule(n).weight.data, cfg.w_bits, cfg.w_group_size, cfg.w_sym,
-                                min_zero=self.min_zero, mse=cfg.mse_scales, fit=cfg.rtn_fit,
-                                importance=importance.get(n)) for n in DECODER_LINEARS}
-
-
-def _activation_proxy(layer, gamma_sq: dict) -> dict:
-    """Data-free second moments of the inputs of o_proj and down_proj, assuming white unit-variance normalized
-    residuals: ``E[v_j^2] = Σ_i W_v[j, i]^2 γ_i^2`` per value channel (each head's attention output averages its
-    KV head's values) and ``E[silu(g_j)^2] E[u_j^2]`` for the MLP product, ``g, u`` normal with variances from
-    W_gate, W_up the same way."""
-    attn = layer.self_attn
-    d, groups = attn.head_dim, attn.num_key_value_groups
-    wv = layer.get_submodule("self_attn.v_proj").weight.data.float()
-    ev = wv.square() @ gamma_sq["self_attn.v_proj"]  # [KVH * D]
-    ev = ev.view(-1, 1, d).expand(-1, groups, d).reshape(-1)  # per query head's channel
-    g2 = layer.get_submodule("mlp.gate_proj").weight.data.float().square() @ gamma_sq["mlp.gate_proj"]
-    u2 = layer.get_submodule("mlp.up_proj").weight.data.float().square() @ gamma_sq["mlp.up_proj"]
-    z = torch.linspace(-6, 6, 121)
-    pdf = torch.exp(-z * z / 2)
-    pdf = pdf / pdf.sum()
-    x = g2.sqrt().unsqueeze(1) * z  # [I, 121]
-    es = (torch.nn.functional.silu(x).square() * pdf).sum(1)
-    return {"self_attn.o_proj": ev.clamp(min=1e-12), "mlp.down_proj": (es * u2).clamp(min=1e-12)}
+                                min_zero=self.min_zero, mse=cfg.mse_scales) for n in DECODER_LINEARS}
 
 
 class GPTQ(QuantMethod):

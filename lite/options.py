@@ -31,10 +31,7 @@ class PipelineConfig:
     the defaults a run took and why. n_grid/duo_scaling/clip/max_shrink/
     loss_tokens: AWQ; awq_rounding: ``rtn`` (the paper) or ``gptq`` (AWQ's scales and clipping, then GPTQ's
     error-compensating rounding on the scaled inputs). mse_scales: group scales/zero points by the smallest
-    rounding error over shrunk ranges (RTN and GPTQ rounding). rtn_fit: RTN's least-squares fit of each group's
-    scale and zero point (:func:`lite.rtn.fit_group_params`; ``None`` = on for ``rtn`` with zero points and without
-    ``mse_scales``, the default of ``lite rtn``; ``False`` = plain min/max rounding, ``lite rtn --plain``);
-    rtn_importance: its per-input-channel weights, ``norm`` (the feeding norm's weight squared) or ``none``. rotate: fold a random rotation of the residual stream
+    rounding error over shrunk ranges (RTN and GPTQ rounding). rotate: fold a random rotation of the residual stream
     into the weights first (:mod:`lite.rotation`; seeded by ``seed``; unties a tied head). tune_steps: steps of
     block-wise tuning of rounding and scales after the method (:mod:`lite.tune`; 0 = off; each layer is fitted to
     the float model's outputs on the first ``loss_tokens`` calibration tokens). e2e_steps: steps of end-to-end
@@ -64,8 +61,6 @@ class PipelineConfig:
     max_shrink: float = 0.5
     loss_tokens: int = 8192
     mse_scales: bool = False
-    rtn_fit: bool | None = None
-    rtn_importance: str = "norm"
     rotate: bool = False
     tune_steps: int = 0
     e2e_steps: int = 0
@@ -130,16 +125,6 @@ class PipelineConfig:
         if self.e2e_steps and self.rotate:
             raise LiteturboError("--e2e-steps and --rotate cannot be combined (the rotation unties the output head "
                                  "the float model shares); drop one of them")
-        if self.rtn_fit is None:
-            self.rtn_fit = self.method == "rtn" and not self.w_sym and not self.mse_scales
-            if self.method == "rtn" and self.w_sym:
-                self.choices.append("plain symmetric rounding (the least-squares fit of `lite rtn` needs zero "
-                                    "points: drop --w-sym for it)")
-        elif self.rtn_fit and (self.method != "rtn" or self.w_sym or self.mse_scales):
-            raise LiteturboError("the least-squares group fit is `lite rtn`'s, with zero points and without "
-                                 "--mse-scales: drop --w-sym / --mse-scales, or pass --plain")
-        if self.rtn_importance not in ("norm", "none", "proxy"):
-            raise LiteturboError(f"rtn_importance must be 'norm', 'proxy' or 'none', got {self.rtn_importance!r}")
         if self.e2e_steps and self.method == "rtn":
             raise LiteturboError("--e2e-steps needs calibration data: use `lite auto-awq` or `lite gptq`")
         if self.block_size < 1 or self.n_grid < 1 or self.loss_tokens < 1:

@@ -529,49 +529,6 @@ def test_quantize_rtn_constant_group_within_half_step(sym):
     assert torch.equal(deq[0, 32:], torch.zeros(32, dtype=torch.float64))
 
 
-def _weighted_err(qw, w, imp=None):
-    """Per-group weighted squared error ``[out, groups]`` of a QuantizedWeight, in float64."""
-    deq, _ = _rtn_dequant_f64(qw)
-    e = (deq - w.double()).square() * (1.0 if imp is None else imp.double())
-    gs = w.shape[1] if qw.group_size == -1 else qw.group_size
-    return e.view(w.shape[0], -1, gs).sum(-1)
-
-
-@pytest.mark.parametrize("group_size", [32, 128, -1])
-def test_fitted_group_params_never_lose_to_min_max_and_keep_the_format(group_size):
-    """lite.rtn.fit_group_params: in every group the fitted scale and integer zero point reproduce the weights at
-    least as well as min/max rounding (which is one of its candidates), measurably better overall, with codes,
-    zeros and float16 scales that the formats store; uniform and importance-weighted, including outliers, groups of
-    one sign, constant and all-zero groups, and more than FIT_ROWS rows."""
-    from lite.rtn import FIT_ROWS
-
-    gen = torch.Generator().manual_seed(5)
-    w = torch.randn(FIT_ROWS + 24, 256, generator=gen) * 0.05
-    w[3, 40:50] *= 30  # outliers
-    w[4] = w[4].abs() + 0.2  # one sign
-    w[5, :] = 0.0
-    w[6, :] = 0.3
-    imp = torch.rand(256, generator=gen).pow(4) * 9 + 0.1  # a few channels far more important
-    for importance in (None, imp):
-        plain = quantize_rtn(w, 4, group_size)
-        fit = quantize_rtn(w, 4, group_size, fit=True, importance=importance)
-        assert fit.qweight.dtype == torch.uint8 and int(fit.qweight.max()) <= 15 and int(fit.qzeros.max()) <= 15
-        assert fit.scales.dtype == torch.float16 and bool((fit.scales > 0).all())
-        e_plain, e_fit = _weighted_err(plain, w, importance), _weighted_err(fit, w, importance)
-        assert bool((e_fit <= e_plain * (1 + 1e-6) + 1e-12).all()), float((e_fit - e_plain).max())
-        assert float(e_fit.sum()) < 0.97 * float(e_plain.sum()), (float(e_fit.sum()), float(e_plain.sum()))
-        deq, _ = _rtn_dequant_f64(fit)
-        assert torch.equal(deq[5], torch.zeros(256, dtype=torch.float64))  # an all-zero row stays exact
-    # the importance is what the weighted fit optimizes: on the important channels it beats the uniform fit
-    top = imp > imp.median()
-    uni = _rtn_dequant_f64(quantize_rtn(w, 4, group_size, fit=True))[0]
-    wei = _rtn_dequant_f64(quantize_rtn(w, 4, group_size, fit=True, importance=imp))[0]
-    err = lambda d: float(((d - w.double()).square() * imp.double())[:, top].sum())  # noqa: E731
-    assert err(wei) < err(uni)
-    with pytest.raises(ValueError, match="importance must have shape"):
-        quantize_rtn(w, 4, group_size, fit=True, importance=imp[:128])
-
-
 def test_quantize_rtn_rejects_indivisible_group():
     with pytest.raises(ValueError):
         quantize_rtn(torch.randn(8, 100), bits=4, group_size=32)

@@ -51,23 +51,6 @@ def test_every_lite_command_takes_the_same_weight_options(cmd):
         assert opt in out, (cmd, opt)
 
 
-def test_rtn_fit_is_lite_rtns_default_and_plain_is_a_flag():
-    """`lite rtn` fits group scales and zero points by default; --plain, --w-sym and --mse-scales keep the min/max
-    rules; asking for the fit where it cannot apply is refused, naming the fix."""
-    assert PipelineConfig(method="rtn").rtn_fit is True
-    assert PipelineConfig(method="rtn", rtn_fit=False).rtn_fit is False
-    assert PipelineConfig(method="rtn", w_sym=True).rtn_fit is False
-    assert any("--w-sym" in c for c in PipelineConfig(method="rtn", w_sym=True).choices)
-    assert PipelineConfig(method="rtn", mse_scales=True).rtn_fit is False
-    assert PipelineConfig(method="gptq").rtn_fit is False and PipelineConfig(method="awq").rtn_fit is False
-    for bad in (dict(method="rtn", w_sym=True), dict(method="gptq"), dict(method="rtn", mse_scales=True)):
-        with pytest.raises(LiteturboError, match="--plain"):
-            PipelineConfig(rtn_fit=True, **bad)
-    with pytest.raises(LiteturboError, match="rtn_importance"):
-        PipelineConfig(method="rtn", rtn_importance="hessian")
-    assert "--plain" in CliRunner().invoke(main, ["lite", "rtn", "--help"]).output
-
-
 def test_format_defaults_are_what_readers_load():
     # GPTQ's default: compressed-tensors with zero points, act-order with static groups (vLLM and transformers read
     # it; vLLM refuses asymmetric GPTQ v1, and symmetric GPTQ was worse than RTN on SmolLM2), and it says so
