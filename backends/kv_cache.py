@@ -28,6 +28,9 @@ multiplies ``H (q * scale)`` (:meth:`PagedKVCache.attention_query`) with the sto
 added back: ``q·(k - shift) = q·k - q·shift`` moves all scores of a query by the same amount, which the
 softmax ignores, so attention is exact without it. All of it acts on post-rotary keys, as the cache stores
 them; ``scale`` is shared by each rotary pair ``(j, j + D/2)`` so that it holds at any position.
+
+*Rotated* mode (no calibration; :meth:`KVQuantParams.rotation_only`, the default of an int4 cache): the calibrated
+mode's form with no shift, unit scales and the rotation in every layer, so every layer stores ``H k`` and ``H v``.
 """
 from __future__ import annotations
 
@@ -118,15 +121,19 @@ class KVQuantParams:
     bool ``[num_layers]``. A layer stores ``k'' = H((k - k_shift) / k_scale)`` and ``v'' = H v`` (``H`` the
     normalized Hadamard matrix of ``head_dim``, only where ``*_rotate``), each quantized per token. Raises
     ``ValueError`` for mismatched shapes, non-finite values, non-positive scales, or a rotation where
-    ``head_dim`` is not a power of two.
+    ``head_dim`` is not a power of two. ``mode``: ``"calibrated"`` (searched by ``lite calibrate-kv``) or
+    ``"rotated"`` (:meth:`rotation_only`, no calibration).
     """
 
     k_shift: torch.Tensor
     k_scale: torch.Tensor
     k_rotate: torch.Tensor | None = None
     v_rotate: torch.Tensor | None = None
+    mode: str = "calibrated"
 
     def __post_init__(self) -> None:
+        if self.mode not in ("calibrated", "rotated"):
+            raise ValueError(f"KVQuantParams.mode must be 'calibrated' or 'rotated', got {self.mode!r}")
         self.k_shift = self.k_shift.detach().float().cpu().contiguous()
         self.k_scale = self.k_scale.detach().float().cpu().contiguous()
         if self.k_shift.dim() != 3 or self.k_shift.shape != self.k_scale.shape:
@@ -145,6 +152,15 @@ class KVQuantParams:
             raise ValueError("k_shift / k_scale hold NaN or inf")
         if not (self.k_scale > 0).all():
             raise ValueError("k_scale must be > 0 everywhere")
+
+    @classmethod
+    def rotation_only(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> "KVQuantParams":
+        """The uncalibrated rotated mode: no shift, unit scales, keys and values Hadamard-rotated in every layer
+        (what ``--kv-cache-dtype int4`` uses by default; ``EngineConfig.kv_rotation``). Raises ``ValueError`` when
+        ``head_dim`` is not a power of two."""
+        shape = (num_layers, num_kv_heads, head_dim)
+        on = torch.ones(num_layers, dtype=torch.bool)
+        return cls(torch.zeros(shape), torch.ones(shape), on, on.clone(), mode="rotated")
 
     def mismatch(self, num_layers: int, num_kv_heads: int, head_dim: int) -> str | None:
         """``None`` when the parameters fit a model of this shape, else what differs (for an error message)."""
@@ -252,7 +268,13 @@ class PagedKVCache:
     @property
     def calibrated(self) -> bool:
         """Whether calibrated key parameters are in use."""
-        return self.params is not None
+        return self.params is not None and self.params.mode == "calibrated"
+
+    @property
+    def transform(self) -> str:
+        """What the cache stores: ``"none"`` (16-bit, or plain per-token int8/int4), ``"rotated"`` or
+        ``"calibrated"`` (:class:`KVQuantParams`)."""
+        return "none" if self.params is None else self.params.mode
 
     def storage_key(self) -> str:
         """Identifies the stored form: dtype, and the calibration digest when calibrated. Saved KV loads into

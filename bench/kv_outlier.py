@@ -4,7 +4,8 @@
 
 The model is ``tests/tiny_models.build_key_outlier_model`` (2 layers, head_dim 16, key channels with a +-30
 offset and a 20x weight row in every KV head); ``liteturbo lite calibrate-kv`` runs on it (C4, 32 x 128 tokens).
-Each cache scores the same WikiText-2 test windows through the engine's paged path (float32 compute); reported:
+The caches: float32, int8 and int4 plain per-token ("online"), int4 Hadamard-rotated without calibration (int4's
+default, ``kv_rotation``), int4 calibrated. Each cache scores the same WikiText-2 test windows through the engine's paged path (float32 compute); reported:
 mean KL divergence of the next-token distribution from the float32 cache's, top-1 agreement with it, and the
 perplexity of the text. A random-weight model's perplexity means little by itself; the distance to the float32
 cache is the point.
@@ -43,10 +44,12 @@ def main() -> None:
     src = build_key_outlier_model(Path(tmp.name) / "outlier")
     cal = calibrate_kv(str(src), KVCalibConfig(calib_samples=32, calib_seqlen=128, device="cpu"),
                        str(Path(tmp.name) / "outlier-kvcal"))
-    variants = {"float32": ("float32", False), "int8": ("int8", False), "int4 online": ("int4", False),
-                "int4 calibrated": ("int4", True)}
-    engines = {n: Engine(cal, dtype="float32", kv_cache_dtype=kv, kv_calibration=c, max_kv_tokens=args.seqlen)
-               for n, (kv, c) in variants.items()}
+    variants = {"float32": ("float32", False, False), "int8": ("int8", False, False),
+                "int4 online": ("int4", False, False), "int4 rotated": ("int4", False, True),
+                "int4 calibrated": ("int4", True, False)}
+    engines = {n: Engine(cal, dtype="float32", kv_cache_dtype=kv, kv_calibration=c, kv_rotation=r,
+                         max_kv_tokens=args.seqlen)
+               for n, (kv, c, r) in variants.items()}
     tok = engines["float32"].tokenizer
     ids = tok(calib_data.wikitext2_test_text(), add_special_tokens=False)["input_ids"]
     windows = [ids[i * args.seqlen:(i + 1) * args.seqlen] for i in range(args.windows)]

@@ -427,18 +427,24 @@ def _hadamard_f64(d):
     return h / math.sqrt(d)
 
 
-@pytest.mark.parametrize("rotate", [False, True], ids=["scale+shift", "scale+shift+hadamard"])
+@pytest.mark.parametrize("mode", ["scale+shift", "scale+shift+hadamard", "rotation-only"])
 @pytest.mark.parametrize("seqs", SEQ_CASES[:5], ids=SEQ_IDS[:5])
 @pytest.mark.parametrize("backend_name", usable_backends("cpu"))
-def test_paged_attention_over_calibrated_cache_matches_f64(seqs, rotate, backend_name):
-    """Calibrated int4 cache: attention (query transform, stored-space keys/values, output rotation) equals
-    float64 attention over the keys/values the reference transform + quantizer + inverse gives (the shift is
-    added back in the reference: attention must not depend on it)."""
+def test_paged_attention_over_calibrated_cache_matches_f64(seqs, mode, backend_name):
+    """Calibrated int4 cache and the uncalibrated rotated one (``KVQuantParams.rotation_only``, int4's default):
+    attention (query transform, stored-space keys/values, output rotation) equals float64 attention over the
+    keys/values the reference transform + quantizer + inverse gives (the shift is added back in the reference:
+    attention must not depend on it)."""
     gen = torch.Generator().manual_seed(8)
-    shift = torch.randn(2, KVH, HD, generator=gen) * 5
-    scale = torch.rand(2, KVH, HD, generator=gen) + 0.2
-    flag = torch.tensor([rotate, False])
-    params = KVQuantParams(shift, scale, flag, flag)
+    rotate = mode != "scale+shift"
+    if mode == "rotation-only":
+        params = KVQuantParams.rotation_only(2, KVH, HD)
+        shift, scale = params.k_shift, params.k_scale
+    else:
+        shift = torch.randn(2, KVH, HD, generator=gen) * 5
+        scale = torch.rand(2, KVH, HD, generator=gen) + 0.2
+        flag = torch.tensor([rotate, False])
+        params = KVQuantParams(shift, scale, flag, flag)
     be, cache, q, meta, full_k, full_v = _build_step(seqs, torch.float32, seed=32, kv_dtype="int4", params=params,
                                                       backend=backend_name)
     out = be.attention(q, cache, 0, meta, 1.0 / math.sqrt(HD))

@@ -26,10 +26,13 @@ from .cli_options import device_options as _device_options
 from .cli_options import kv_options as _kv_options
 
 
+KV_TRANSFORM_NOTE = {"none": "", "rotated": ", rotated (Hadamard)", "calibrated": ", calibrated keys"}
+
+
 def kv_summary(engine) -> str:
     """One line about the KV pool: dtype, bytes per token, tokens held."""
     st = engine.stats()
-    cal = ", calibrated keys" if st["kv_calibrated"] else ""
+    cal = KV_TRANSFORM_NOTE[st["kv_transform"]]
     return (f"KV cache {st['kv_cache_dtype']}{cal}: {st['kv_bytes_per_token']} bytes/token, pool "
             f"{st['blocks_total']} blocks x {st['block_size']} = {st['kv_pool_tokens']} tokens "
             f"({st['kv_cache_bytes'] / 2**20:.1f} MiB)")
@@ -107,12 +110,11 @@ def pack(model, dtype, lm_head, batch_invariant, device_opts) -> None:
 @click.option("--max-windows", default=None, type=int, help="Score only the first N windows.")
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help='Print {"model", "dataset", "seqlen", "ppl", "tokens", "windows", "seconds", "kv_cache_dtype", '
-                   '"kv_calibrated"} as JSON.')
+                   '"kv_calibrated", "kv_transform"} as JSON.')
 @_device_options
 @_kv_options
 @friendly_errors
-def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device_opts, kv_cache_dtype, quant_policy,
-             no_kv_calibration) -> None:
+def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device_opts, kv_opts) -> None:
     """Perplexity of MODEL on a bundled dataset's test text (WikiText-2: rows joined with "\\n\\n").
 
     Windows are scored in chunks through the engine's paged KV cache, so with --kv-cache-dtype int8/int4 every
@@ -126,8 +128,7 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device_opts, k
         raise LiteturboError(f"--max-windows must be at least 1, got {max_windows} (leave it out to score all)")
     from lite.formats import load_config, resolve_model
 
-    ecfg = EngineConfig(dtype=dtype, **device_opts, max_kv_tokens=seqlen, lm_head="16bit",
-                        kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy, kv_calibration=not no_kv_calibration)
+    ecfg = EngineConfig(dtype=dtype, **device_opts, max_kv_tokens=seqlen, lm_head="16bit", **kv_opts)
     ctx = load_config(resolve_model(model)).get("max_position_embeddings")
     if ctx and seqlen > ctx:  # before the engine sizes a KV pool of --seqlen tokens
         raise LiteturboError(f"--seqlen {seqlen} exceeds the model's context of {ctx} tokens; give at most {ctx}")
@@ -137,9 +138,10 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device_opts, k
     if as_json:
         click.echo(json.dumps({"model": str(model), "dataset": dataset, "seqlen": seqlen, "ppl": r["ppl"],
                                 "tokens": r["tokens"], "windows": r["windows"], "seconds": r["seconds"],
-                                "kv_cache_dtype": st["kv_cache_dtype"], "kv_calibrated": st["kv_calibrated"]}))
+                                "kv_cache_dtype": st["kv_cache_dtype"], "kv_calibrated": st["kv_calibrated"],
+                                "kv_transform": st["kv_transform"]}))
     else:
-        cal = ", calibrated keys" if st["kv_calibrated"] else ""
+        cal = KV_TRANSFORM_NOTE[st["kv_transform"]]
         click.echo(f"{model}: {dataset} PPL {r['ppl']:.3f} over {r['windows']} window{'s' if r['windows'] != 1 else ''} of {seqlen} tokens, "
                    f"KV cache {st['kv_cache_dtype']}{cal} ({r['seconds']:.0f} s)")
 
@@ -166,8 +168,7 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device_opts, k
 @_kv_options
 @friendly_errors
 def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, session_len, max_kv_tokens,
-         kv_cache_gib, cache_max_entry_count, url, api_key, device_opts, kv_cache_dtype, quant_policy,
-         no_kv_calibration) -> None:
+         kv_cache_gib, cache_max_entry_count, url, api_key, device_opts, kv_opts) -> None:
     """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too. With --url, chat
     with a running `liteturbo serve` through its sessions API instead (MODEL and the engine options are unused)."""
     from turbo import Engine, EngineConfig, GenerationConfig
@@ -183,9 +184,7 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
     else:
         engine = Engine(model, EngineConfig(dtype=dtype, **device_opts, session_len=session_len,
                                             max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,
-                                            cache_max_entry_count=cache_max_entry_count,
-                                            kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
-                                            kv_calibration=not no_kv_calibration))
+                                            cache_max_entry_count=cache_max_entry_count, **kv_opts))
         session = engine.session(system)
     interactive = sys.stdin.isatty()
     if not url:
@@ -291,8 +290,7 @@ def serve(model, host, port, model_name, api_keys, batch_invariant, engine_proce
           speculative, tool_call_parser,
           dtype, max_batch_size, max_num_batched_tokens,
           block_size, session_len, max_kv_tokens, kv_cache_gib, cache_max_entry_count, max_request_bytes, log_level,
-          session_dir, max_sessions, session_idle_timeout, device_opts, kv_cache_dtype, quant_policy,
-          no_kv_calibration) -> None:
+          session_dir, max_sessions, session_idle_timeout, device_opts, kv_opts) -> None:
     """Serve MODEL over HTTP: OpenAI-compatible /v1/chat/completions and /v1/completions (streaming or not) and
     stateful /v1/sessions (docs/serving.md)."""
     try:
@@ -311,8 +309,7 @@ def serve(model, host, port, model_name, api_keys, batch_invariant, engine_proce
         batch_invariant=batch_invariant, session_host_gib=session_host_gib, session_overflow=session_overflow,
         max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
         session_len=session_len, max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,
-        cache_max_entry_count=cache_max_entry_count, kv_cache_dtype=kv_cache_dtype, quant_policy=quant_policy,
-        kv_calibration=not no_kv_calibration)
+        cache_max_entry_count=cache_max_entry_count, **kv_opts)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})

@@ -1,5 +1,5 @@
 """Command-line options shared by ``liteturbo chat``, ``serve`` and ``lite eval-ppl``: the KV cache options
-(:func:`kv_options`) and the device options (:func:`device_options`: device, backend, CUDA graphs, CPU threads,
+(:func:`kv_options`, which reach the command as one ``kv_opts`` dict) and the device options (:func:`device_options`: device, backend, CUDA graphs, CPU threads,
 tensor parallelism), which reach the command as one ``device_opts`` dict of :class:`~turbo.config.EngineConfig`
 fields.
 """
@@ -11,7 +11,8 @@ import click
 
 
 def kv_options(fn):
-    """KV cache options shared by chat, eval-ppl and serve."""
+    """KV cache options shared by chat, eval-ppl and serve; the command receives them as one keyword, ``kv_opts``
+    (EngineConfig fields: kv_cache_dtype, quant_policy, kv_calibration, kv_rotation)."""
     opts = [
         click.option("--kv-cache-dtype", default="auto", show_default=True,
                      help="KV cache storage: auto (the compute dtype), bfloat16, float16, float32, int8, int4."),
@@ -19,10 +20,21 @@ def kv_options(fn):
                      help="LMDeploy's spelling of the KV dtype: 0 = 16-bit, 8 = int8, 4 = int4."),
         click.option("--no-kv-calibration", is_flag=True,
                      help="Ignore calibrated KV parameters in MODEL (online int8/int4)."),
+        click.option("--kv-rotation/--no-kv-rotation", default=None,
+                     help="Without calibrated parameters, store keys and values Hadamard-rotated per head in an "
+                          "int8/int4 cache. Default: on for int4 (power-of-two head sizes), off for int8."),
     ]
+
+    @functools.wraps(fn)
+    def command(**kw):
+        """The command with its KV options gathered into ``kv_opts``."""
+        kv_opts = {k: kw.pop(k) for k in ("kv_cache_dtype", "quant_policy", "kv_rotation")}
+        kv_opts["kv_calibration"] = not kw.pop("no_kv_calibration")
+        return fn(kv_opts=kv_opts, **kw)
+
     for o in reversed(opts):
-        fn = o(fn)
-    return fn
+        command = o(command)
+    return command
 
 
 def check_threads(ctx, param, value):

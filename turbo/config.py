@@ -67,7 +67,11 @@ class EngineConfig:
     each block; see :mod:`backends.kv_cache`). quant_policy: LMDeploy's spelling of the same choice (0 = 16-bit,
     8 = int8, 4 = int4); giving both with different meanings is refused. kv_calibration: use the calibrated key
     parameters a checkpoint carries (``liteturbo lite calibrate-kv``) when the cache is int8/int4; ``False``
-    keeps the online mode. enforce_eager: never replay decode steps as CUDA graphs (on CUDA with a backend whose
+    keeps the online mode. kv_rotation: without calibrated parameters, store each head's keys and values
+    Hadamard-rotated in an int8/int4 cache (:meth:`backends.kv_cache.KVQuantParams.rotation_only`; the query and
+    the attention output are rotated instead of every cached token): ``None`` (default) = on for int4 when
+    ``head_dim`` is a power of two, off otherwise; ``True`` asks for it (refused at start-up for a head size that
+    is not a power of two); ``False`` = plain per-token quantization. enforce_eager: never replay decode steps as CUDA graphs (on CUDA with a backend whose
     decode path is graph-safe they are by default, see :mod:`turbo.core.cuda_graphs`).
     threads: torch's CPU threads (process-wide), see :mod:`backends.cpu_threads`: ``None``/``"auto"`` (default;
     ``$LITETURBO_THREADS`` when set) = torch's count capped to the cores this process may use (affinity, cgroup
@@ -105,6 +109,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quant_policy: int | None = None
     kv_calibration: bool = True
+    kv_rotation: bool | None = None
     enforce_eager: bool = False
     threads: int | str | None = None  # CPU threads: None/"auto", N, or -K (see backends.cpu_threads)
     tensor_parallel_size: int = 1
@@ -132,6 +137,7 @@ class EngineConfig:
                                  f"{self.session_host_gib}")
         for name in ("enable_prefix_caching", "batch_invariant", "kv_calibration", "enforce_eager"):
             _coerce(self, name, "bool")
+        _coerce(self, "kv_rotation", "bool", optional=True)
         _coerce(self, "kv_cache_dtype", "str")
         self.kv_cache_dtype = KV_ALIASES.get(self.kv_cache_dtype.lower(), self.kv_cache_dtype.lower())
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:

@@ -502,7 +502,8 @@ class EngineCore:
         """Counters: running/waiting requests, tokens prefilled/decoded, prefix-cache hits, blocks, tokens/s;
         constrained decoding's ``mask_rows`` (masks computed), ``mask_seconds`` (their CPU time, on a worker thread
         beside the forward) and ``mask_wait_seconds`` (what the steps waited for them); and the
-        KV pool: ``kv_cache_dtype``, ``kv_calibrated``, ``kv_bytes_per_token`` (all layers, K and V, scales
+        KV pool: ``kv_cache_dtype``, ``kv_calibrated``, ``kv_transform`` (none, rotated or calibrated:
+        :attr:`backends.kv_cache.PagedKVCache.transform`), ``kv_bytes_per_token`` (all layers, K and V, scales
         included), ``kv_pool_tokens`` (tokens the pool holds), ``kv_cache_bytes``; ``tensor_parallel_size`` (the
         KV figures are then rank 0's, each rank holding its KV heads); the session KV tiers' ``host_tier_*`` figures
         (:meth:`turbo.core.kv_tier.HostTier.stats`: sessions and bytes in host memory, spills, host and disk hits,
@@ -513,6 +514,7 @@ class EngineCore:
                     cache_hit_tokens=bm.hit_tokens, blocks_total=bm.num_blocks, blocks_free=bm.num_free,
                     block_size=bm.block_size, kv_cache_bytes=self.runner.kv_bytes,
                     kv_cache_dtype=self.kv_cache_dtype, kv_calibrated=self.runner.kv_cache.calibrated,
+                    kv_transform=self.runner.kv_cache.transform,
                     kv_bytes_per_token=self.runner.kv_cache.spec.bytes_per_token(),
                     kv_pool_tokens=bm.num_blocks * bm.block_size, tensor_parallel_size=self.tensor_parallel_size,
                     **self.host_tier.stats())

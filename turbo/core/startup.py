@@ -200,13 +200,23 @@ def load_tokenizer(path: Path):
                              f"tokenizer_config.json); copy them from it") from None
 
 
-def kv_calibration(fit: Fit, model_cfg: ModelConfig) -> KVQuantParams | None:
-    """Calibrated key parameters of the checkpoint, when the cache is int8/int4 and they are not turned off.
-    Raises ``LiteturboError`` for a damaged file or one made for another model shape."""
-    if fit.kv_cache_dtype not in ("int8", "int4") or not fit.config.kv_calibration:
+def kv_transform(fit: Fit, model_cfg: ModelConfig) -> KVQuantParams | None:
+    """The transform of an int8/int4 cache: the checkpoint's calibrated parameters unless turned off, else the
+    rotated mode where ``kv_rotation`` asks for it (default: int4 with a power-of-two ``head_dim``), else ``None``
+    (plain per-token). Raises ``LiteturboError`` for a damaged file, one made for another model shape, or
+    ``kv_rotation=True`` with a head size that is not a power of two."""
+    if fit.kv_cache_dtype not in ("int8", "int4"):
         return None
-    params = load_kv_params(fit.path, fit.raw_config)
-    if params is not None:
+    params = load_kv_params(fit.path, fit.raw_config) if fit.config.kv_calibration else None
+    if params is None:
+        d = model_cfg.head_dim
+        rotation = fit.config.kv_rotation
+        if rotation and d & (d - 1):
+            raise LiteturboError(f"kv_rotation needs a power-of-two head_dim (a Hadamard rotation); this model's is "
+                                 f"{d}: leave kv_rotation unset or pass False (--no-kv-rotation)")
+        if rotation or (rotation is None and fit.kv_cache_dtype == "int4" and not d & (d - 1)):
+            params = KVQuantParams.rotation_only(model_cfg.num_layers, model_cfg.num_kv_heads, d)
+    else:
         bad = params.mismatch(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim)
         if bad:
             raise LiteturboError(f"the KV parameter file of {fit.path} was made for another model ({bad}); "
@@ -338,7 +348,7 @@ def load_rank(config: EngineConfig, model: str | Path | None, rank: int = 0) -> 
             llama = LlamaModel.from_pretrained(fit.path, fit.backend, fit.dtype, lm_head_int8=fit.lm_int8,
                                                shard=fit.shard)
         tokenizer = tok_future.result() if tok_future is not None else None
-        kv_params = kv_calibration(fit, llama.cfg)
+        kv_params = kv_transform(fit, llama.cfg)
         num_blocks, workspace_bytes = pool_blocks(fit, rank_free(fit))
         if group is not None:
             num_blocks = group.gather_blocks(num_blocks)  # every rank allocates the same pool

@@ -177,11 +177,12 @@ class Shard:
         return _copy(table[lo:hi])
 
     def kv_params(self, params: KVQuantParams | None) -> KVQuantParams | None:
-        """Calibrated KV parameters of this rank's KV heads."""
+        """The KV cache transform (calibrated or rotated) of this rank's KV heads."""
         if params is None:
             return None
         lo, hi = self.kv_head_range()
-        return KVQuantParams(params.k_shift[:, lo:hi], params.k_scale[:, lo:hi], params.k_rotate, params.v_rotate)
+        return KVQuantParams(params.k_shift[:, lo:hi], params.k_scale[:, lo:hi], params.k_rotate, params.v_rotate,
+                             mode=params.mode)
 
     # --- the forward's vocabulary steps --------------------------------------------------------------------
     def embed(self, table: torch.Tensor, ids: torch.Tensor, backend) -> torch.Tensor:
