@@ -103,21 +103,12 @@ def make_checkpoints(model: str, names: list[str], work: Path, reuse: bool) -> d
 
 
 def chunk_logits(engine, ids: list[int]):
-    """Yield ``(logits [n, V] float32, targets [n])`` of one window, chunk by chunk through the paged KV cache."""
-    from turbo.core import StepInput
+    """Yield ``(logits [n, V] float32, targets [n])`` of one window, chunk by chunk through the paged KV cache
+    (:func:`turbo.perplexity.window_logits`)."""
+    from turbo.perplexity import window_logits
 
-    bm, table = engine.block_manager, []
-    try:
-        bm.ensure_capacity(table, len(ids))
-        for start in range(0, len(ids) - 1, CHUNK):
-            end = min(start + CHUNK, len(ids))
-            step = StepInput(token_ids=ids[start:end], positions=list(range(start, end)),
-                             slot_mapping=bm.slots(table, start, end), query_start=[0, end - start],
-                             context_lens=[end], block_tables=[table], logits_rows=list(range(end - start)))
-            targets = torch.tensor(ids[start + 1:end + 1], dtype=torch.long)
-            yield engine.runner.run(step)[: len(targets)].float(), targets
-    finally:
-        bm.free(table)
+    for logits, targets in window_logits(engine, ids, CHUNK):
+        yield logits.float(), targets
 
 
 def distribution_scores(engines: dict, ref: str, windows: list[list[int]]) -> dict[str, dict]:

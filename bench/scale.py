@@ -488,12 +488,14 @@ def part_decode_server(spec: dict) -> dict:
         engine.generate(ids, GenerationConfig(max_new_tokens=8, ignore_eos=True))
 
         def once() -> float:
+            """Decode tok/s of one round (turbo's own figure)."""
             return engine.generate(ids, gen).decode_tokens_per_s
     else:
         peer = _gguf_llama_cpp(spec, max(2048, len(ids) + n))
         peer.generate(ids, 8)
 
         def once() -> float:
+            """Decode tok/s of one round: ``(n - 1) / (t(n tokens) - t(1 token))``, as bench/peers.py."""
             return (n - 1) / max(peer.seconds(ids, n) - peer.seconds(ids, 1), 1e-9)
     print(json.dumps({"ready": spec["engine"]}), flush=True)
     for _ in sys.stdin:

@@ -67,6 +67,7 @@ def device_options(fn):
 
     @functools.wraps(fn)
     def command(**kw):
+        """The command with its device options gathered into ``device_opts``."""
         names = ("device", "backend", "enforce_eager", "threads", "tensor_parallel_size")
         return fn(device_opts={k: kw.pop(k) for k in names}, **kw)
 

@@ -23,11 +23,12 @@ from .core import StepInput
 from .engine import Engine
 
 
-def window_nll(engine: Engine, ids: list[int], chunk: int = 512) -> float:
-    """Mean next-token NLL (nats) of one window, computed in chunks over the paged KV cache."""
+def window_logits(engine: Engine, ids: list[int], chunk: int = 512):
+    """Yield ``(logits [n, vocab], targets [n] int64)`` of one window, chunk by chunk over the paged KV cache (each
+    chunk's attention reads the earlier chunks' keys and values back from the cache); the window's blocks are freed
+    when the generator finishes or is closed."""
     table: list[int] = []
     bm = engine.block_manager
-    total, n = 0.0, 0
     try:
         bm.ensure_capacity(table, len(ids))
         for start in range(0, len(ids) - 1, chunk):
@@ -36,13 +37,18 @@ def window_nll(engine: Engine, ids: list[int], chunk: int = 512) -> float:
                              slot_mapping=bm.slots(table, start, end), query_start=[0, end - start],
                              context_lens=[end], block_tables=[table],
                              logits_rows=list(range(end - start)))
-            logits = engine.runner.run(step)
             targets = torch.tensor(ids[start + 1:end + 1], dtype=torch.long)
-            logits = logits[: len(targets)]
-            total += float(torch.nn.functional.cross_entropy(logits, targets.to(logits.device), reduction="sum"))
-            n += len(targets)
+            yield engine.runner.run(step)[: len(targets)], targets
     finally:
         bm.free(table)
+
+
+def window_nll(engine: Engine, ids: list[int], chunk: int = 512) -> float:
+    """Mean next-token NLL (nats) of one window, computed in chunks over the paged KV cache."""
+    total, n = 0.0, 0
+    for logits, targets in window_logits(engine, ids, chunk):
+        total += float(torch.nn.functional.cross_entropy(logits, targets.to(logits.device), reduction="sum"))
+        n += len(targets)
     return total / n
 
 
