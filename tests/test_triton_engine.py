@@ -66,9 +66,16 @@ def _run(path, backend, kv):
 def test_triton_engine_greedy_equals_torch(tiny_models, kind, kv):
     ref, _ = _run(tiny_models[kind], "torch", kv)
     got, stats = _run(tiny_models[kind], "triton", kv)
+    tol = _TOL[kv]
     assert stats["cache_hit_tokens"] > 0  # the shared prefix was served from the cache
     for a, b in zip(ref, got):
         assert a.token_ids == b.token_ids, (kind, kv)
         assert len(a.token_ids) == 8
         for la, lb in zip(a.logprobs, b.logprobs):
-            assert la[0][0] == lb[0][0] and abs(la[0][1] - lb[0][1]) < 1e-4
+            assert la[0][0] == lb[0][0] and abs(la[0][1] - lb[0][1]) < tol, (kind, kv)
+
+
+# Logprob tolerance by KV dtype. A quantized cache rounds: the two backends' projections differ by ~1e-6, which can
+# move a token's fp16 scale by one ulp (seen with the rotated int4 cache: a V scale 3.05e-5 apart, logprobs 1.6e-4
+# apart after 8 decode steps), so quantized caches get 1e-3; a wrong kernel misses by far more than that.
+_TOL = {"float32": 1e-4, "int8": 1e-3, "int4": 1e-3}
