@@ -645,3 +645,74 @@ def test_a_repeated_call_ends_the_reply_streamed_or_not():
     # a different call with the same name is no repeat
     c2 = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>'
     assert len(ToolParser("hermes").parse(a + b + c2)[1]) == 3
+
+
+# --- schemas rewritten by their schema positions (turbo.serve.schema_walk) --------------------------------------------
+
+@pytest.mark.parametrize("word", ["default", "enum", "const", "examples"])
+def test_grammar_rebases_refs_under_properties_named_like_keywords(tok, lltok, word):
+    # the issue's input: the property's name is a JSON Schema keyword and its schema a $ref into $defs
+    params = {"$defs": {"Level": {"enum": ["low", "high"]}}, "type": "object",
+              "properties": {word: {"$ref": "#/$defs/Level"}}, "required": [word]}
+    tool = {"type": "function", "function": {"name": "set_level", "parameters": params}}
+    text = '<tool_call>\n{"name": "set_level", "arguments": %s}\n</tool_call>'
+    for choice in ("required", {"type": "function", "function": {"name": "set_level"}}):
+        g = tools.call_grammar(tools.read_tools([tool, WEATHER], choice, False), "hermes")
+        assert consumes(tok, lltok, g, text % json.dumps({word: "low"}))[1]
+        assert not consumes(tok, lltok, g, text % json.dumps({word: "mid"}))[0]
+    assert schema_ok(tool, {word: "low"}) and not schema_ok(tool, {word: "mid"})
+
+
+def test_grammar_root_ref_points_at_the_tools_own_schema(tok, lltok):
+    # {"$ref": "#"} is the tool's whole parameters schema, not the grammar's root
+    params = {"type": "object", "properties": {"name": {"type": "string"}, "child": {"$ref": "#"}},
+              "required": ["name"]}
+    tool = {"type": "function", "function": {"name": "tree", "parameters": params}}
+    g = tools.call_grammar(tools.read_tools([tool], "required", False), "hermes")
+    text = '<tool_call>\n{"name": "tree", "arguments": %s}\n</tool_call>'
+    good = {"name": "a", "child": {"name": "b", "child": {"name": "c"}}}
+    bad = [{"name": "a", "child": {"name": 1}}, {"name": "a", "child": {"city": "x"}},
+           {"name": "a", "child": {"name": "tree", "arguments": {}}}]
+    assert schema_ok(tool, good) and consumes(tok, lltok, g, text % json.dumps(good))[1]
+    for args in bad:
+        assert not consumes(tok, lltok, g, text % json.dumps(args))[1], args
+    assert not schema_ok(tool, bad[0])
+
+
+def test_grammar_reads_a_missing_additional_properties_as_false(tok, lltok):
+    open_ = {"type": "object", "properties": {"city": {"type": "string"}, "where": {
+        "type": "object", "properties": {"lat": {"type": "number"}}}}, "required": ["city"]}
+    text = '<tool_call>\n{"name": "w", "arguments": %s}\n</tool_call>'
+    extra = {"city": "Paris", "type": "string"}  # what SmolLM2 wrote under the open schema (issue 39)
+    nested_extra = {"city": "Paris", "where": {"lat": 1, "lon": 2}}
+    g = tools.call_grammar(tools.read_tools([{"type": "function", "function": {"name": "w", "parameters": open_}}],
+                                            "required", False), "hermes")
+    assert consumes(tok, lltok, g, text % json.dumps({"city": "Paris", "where": {"lat": 1.5}}))[1]
+    for args in (extra, nested_extra):
+        assert not consumes(tok, lltok, g, text % json.dumps(args))[1], args
+    said_true = dict(open_, additionalProperties=True)
+    g = tools.call_grammar(tools.read_tools([{"type": "function", "function": {"name": "w",
+                                                                               "parameters": said_true}}],
+                                            "required", False), "hermes")
+    assert consumes(tok, lltok, g, text % json.dumps(extra))[1]  # an explicit true is kept
+    assert not consumes(tok, lltok, g, text % json.dumps(nested_extra))[1]  # the nested object is still closed
+
+
+def test_schema_walk_leaves_data_alone():
+    from turbo.serve.schema_walk import close_objects, rebase_refs
+
+    schema = {"type": "object", "default": {"$ref": "#/x", "properties": {"a": {}}},
+              "examples": [{"$ref": "#"}], "enum": [{"$ref": "#"}], "const": {"$ref": "#"},
+              "properties": {"default": {"$ref": "#/$defs/L"}, "enum": {"items": {"$ref": "#"}},
+                             "obj": {"properties": {"c": {}}}},
+              "allOf": [{"properties": {"b": {}}}], "$defs": {"L": {"anyOf": [{"$ref": "#/$defs/L"}]}}}
+    out = rebase_refs(close_objects(schema), "#/$defs/tool0")
+    for data in ("default", "examples", "enum", "const"):
+        assert out[data] == schema[data]
+    assert out["properties"]["default"] == {"$ref": "#/$defs/tool0/$defs/L"}
+    assert out["properties"]["enum"]["items"] == {"$ref": "#/$defs/tool0"}
+    assert out["$defs"]["L"]["anyOf"][0] == {"$ref": "#/$defs/tool0/$defs/L"}
+    assert out["properties"]["obj"]["additionalProperties"] is False
+    # beside or inside an allOf an object stays open (closing one part would reject the others' properties)
+    assert "additionalProperties" not in out and "additionalProperties" not in out["allOf"][0]
+    assert schema["properties"]["default"] == {"$ref": "#/$defs/L"}  # the input is not modified

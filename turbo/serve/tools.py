@@ -14,7 +14,7 @@ forces a call, and the finish reason. It follows OpenAI's semantics, and vLLM's 
   are :mod:`turbo.serve.tool_parsers` (:class:`ToolParser`, :class:`ToolCall` re-exported here).
 - :func:`call_grammar` is the Lark grammar (llguidance's dialect) that forces a call for ``tool_choice``
   "required" or a named function: the parser's format around ``%json`` objects ``{"name": const, "arguments":
-  the tool's parameters schema}``.
+  the tool's parameters schema}`` (rewritten by :mod:`turbo.serve.schema_walk`: refs rebased, objects closed).
 - :func:`finish_reason` is ``"tool_calls"`` when a reply made calls.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, Callable
 from .. import chat_render
 from ..chat_render import template_handles_tools, template_text  # noqa: F401 - this module's API too
 from ..http_errors import APIError
+from .schema_walk import close_objects, rebase_refs
 from .tool_parsers import PARSERS, ToolCall, ToolParser
 
 __all__ = ["Tool", "ToolRequest", "read_tools", "read_tool_message", "link_tool_messages", "render_prompt",
@@ -273,19 +274,6 @@ def render_prompt(tokenizer, messages: list[dict], tools: ToolRequest | None = N
 
 # --- the grammar of a forced call -----------------------------------------------------------------------------------
 
-_DATA_KEYS = ("const", "enum", "default", "examples")  # values that are data, not schemas
-
-
-def _rebase(schema: Any, base: str) -> Any:
-    """``schema`` with its local ``$ref`` pointers (``#...``) moved under ``base`` (where it now lives)."""
-    if isinstance(schema, list):
-        return [_rebase(v, base) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
-                else v if k in _DATA_KEYS else _rebase(v, base)) for k, v in schema.items()}
-
-
 def _marker(text: str, tokenizer) -> str:
     """A marker in Lark: the special token's id (``<[id]>``) when the tokenizer has it as one special token (its
     bytes then never match text), else the string."""
@@ -302,8 +290,9 @@ def call_grammar(tools: ToolRequest, parser: str, tokenizer=None) -> str | None:
     ``parser``'s format: for ``tool_choice`` "required" one call (one or more with ``parallel_tool_calls``) of any
     of the tools, for a named function exactly one call of it; ``None`` for "auto" and "none" (nothing forced).
     Each call is a ``%json`` object ``{"name": <const>, "arguments": <the tool's parameters schema>}`` (llama3_json:
-    ``"parameters"``) with no other keys, written with ``", "`` / ``": "`` or compact separators and no other
-    whitespace. Hermes: ``<tool_call>\\n{...}\\n</tool_call>`` blocks joined by ``\\n``; llama3_json: objects
+    ``"parameters"``) with no other keys (the tool's schema with its local ``$ref`` rebased and its objects closed:
+    a missing ``additionalProperties`` reads as false, :func:`~turbo.serve.schema_walk.close_objects`), written
+    with ``", "`` / ``": "`` or compact separators and no other whitespace. Hermes: ``<tool_call>\\n{...}\\n</tool_call>`` blocks joined by ``\\n``; llama3_json: objects
     joined by ``"; "``; mistral: ``[TOOL_CALLS]`` then a JSON array. ``tokenizer`` (optional) lets a marker that is
     a special token of the model be matched as that token. Unknown ``parser``: LiteturboError."""
     ToolParser(parser)
@@ -311,7 +300,7 @@ def call_grammar(tools: ToolRequest, parser: str, tokenizer=None) -> str | None:
         return None
     chosen = [t for t in tools.tools if tools.choice == "required" or t.name == tools.named]
     key = "parameters" if parser == "llama3_json" else "arguments"
-    defs = {f"tool{i}": _rebase(t.parameters, f"#/$defs/tool{i}") for i, t in enumerate(chosen)}
+    defs = {f"tool{i}": rebase_refs(close_objects(t.parameters), f"#/$defs/tool{i}") for i, t in enumerate(chosen)}
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: {"$ref": f"#/$defs/tool{i}"}},
               "required": ["name", key], "additionalProperties": False} for i, t in enumerate(chosen)]
     many = tools.choice == "required" and tools.parallel
