@@ -384,6 +384,61 @@ def test_required_tool_calls_validate_and_stream_the_same(client):
     assert finish == "tool_calls" and _calls(msg) == _calls(choice.message) and not msg.content
 
 
+def test_a_call_cut_by_max_tokens_is_dropped_whole_streamed_or_not(client, http):
+    # issue 39: the call cut by max_tokens came back with arguments that are not JSON and "<tool_call" in content
+    kw = dict(model=MODEL, messages=PARIS + [{"role": "user", "content": "And the time in Tokyo and Lima?"}],
+              tools=TOOLS, tool_choice="required", temperature=0)
+    full = client.chat.completions.create(max_tokens=200, **kw)
+    whole = _calls(full.choices[0].message)
+    assert len(whole) >= 2, whole  # a second call exists to cut
+    n = full.usage.completion_tokens
+    kept = []
+    for limit in (3, 9, n // 2 + 3, n - 12):
+        r = client.chat.completions.create(max_tokens=limit, **kw).choices[0]
+        calls = _calls(r.message)  # json.loads: every returned call is complete JSON
+        assert r.finish_reason == "length" and calls == whole[:len(calls)], (limit, r)
+        kept.append(len(calls))
+        for name, args in calls:
+            jsonschema.validate(args, PARAMS[name])
+        assert not r.message.content or "<tool" not in r.message.content and "{" not in r.message.content, r
+        # streamed (raw events: the openai client's accumulator refuses a "length" finish)
+        events = sse(http.post("/v1/chat/completions", json=dict(kw, max_tokens=limit, stream=True)))
+        deltas = [c["delta"] for e in events for c in e["choices"]]
+        content = "".join(d.get("content") or "" for d in deltas)
+        streamed: dict[int, list] = {}
+        for d in deltas:
+            for c in d.get("tool_calls") or ():
+                entry = streamed.setdefault(c["index"], [c.get("function", {}).get("name"), ""])
+                entry[1] += c["function"].get("arguments", "")
+        assert [(name, json.loads(a)) for name, a in streamed.values()] == calls
+        assert (content or None) == (r.message.content or None)
+        assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
+    assert kept[0] == 0 and any(0 < k < len(whole) for k in kept), kept  # cut in the first call, and in a later one
+
+
+def test_required_calls_over_open_schemas_end(client):
+    # issue 39: schemas written without additionalProperties; SmolLM2 kept inventing keys until max_tokens
+    open_tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}}}}},
+        {"type": "function", "function": {
+            "name": "get_time", "description": "Current local time in a time zone",
+            "parameters": {"type": "object", "required": ["timezone"], "properties": {
+                "timezone": {"type": "string"}}}}}]
+    closed = {t["function"]["name"]: dict(t["function"]["parameters"], additionalProperties=False)
+              for t in open_tools}
+    asks = ["What is the weather in Paris?", "What time is it in Tokyo?", "Is it raining in Oslo, in f?"]
+    for i, ask in enumerate(asks * 2):
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": ask}], tools=open_tools, tool_choice="required",
+            parallel_tool_calls=False, max_tokens=120, temperature=0 if i < len(asks) else 0.7, seed=i)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", (ask, choice)
+        (name, args), = _calls(choice.message)
+        jsonschema.validate(args, closed[name])
+
+
 def test_a_named_tool_choice_calls_that_function(client):
     kw = dict(model=MODEL, messages=PARIS, tools=TOOLS, max_tokens=100, temperature=0,
               tool_choice={"type": "function", "function": {"name": "get_time"}})

@@ -353,12 +353,51 @@ def test_hermes_details():
     assert c == "<tool_call>" and calls[0].name == "f"
 
 
-def test_a_call_cut_off_or_broken_keeps_what_was_read():
-    s = ToolParser("hermes").streamer()
-    deltas = s.feed('<tool_call>\n{"name": "f", "arguments": {"city": "Par') + s.finish()
-    assert openai_join(deltas).tool_calls[0].function.arguments == '{"city":"Par' and s.broken == [0]
-    c, calls = ToolParser("hermes").parse('<tool_call>{"name": "f", "arguments": {"a": 1,,}}</tool_call> after')
-    assert (c, calls[0].arguments) == ("after", '{"a":1,')
+CUT = {  # format -> (a complete call, then one cut inside its JSON by max_tokens)
+    "hermes": 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", '
+              '"arguments": {"city": "Par',
+    "llama3_json": '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {"city": "Par',
+    "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"city": "Par',
+}
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral"])
+def test_a_call_cut_by_max_tokens_is_dropped_whole(fmt):
+    # issue 39: a cut call came back as a tool_calls entry whose arguments were not JSON, "<tool_call" in content
+    text = CUT[fmt]
+    for end in range(1, len(text) + 1):  # cut at every character
+        part = text[:end]
+        rng = random.Random(end)
+        content, calls = ToolParser(fmt).parse(part, cut=True)
+        s = ToolParser(fmt).streamer()
+        deltas, i = [], 0
+        while i < len(part):
+            n = rng.choice((1, 2, 5))
+            deltas += s.feed(part[i:i + n])
+            i += n
+        msg = openai_join(deltas + s.finish(cut=True))
+        assert [(c.function.name, c.function.arguments) for c in msg.tool_calls or []] == \
+            [(c.name, c.arguments) for c in calls]
+        assert (msg.content or None) == (content or None)
+        for c in calls:
+            assert c.name == "f" and c.arguments == '{"a":1}'  # complete calls only
+        closed = text.index("}}") + 2
+        assert len(calls) == (end >= closed)
+        assert not any(m in (content or "") for m in ("<tool", "[TOOL", "{", "<|")), (part, content)
+        assert "Sure.\n".startswith(content or ""), (part, content)  # the text before the calls, as far as it came
+
+
+def test_a_reply_that_ends_or_breaks_inside_a_call_gives_the_text():
+    # not cut by max_tokens (end of sequence, a stop string) or broken JSON: plain text, never a half call
+    p = ToolParser("hermes")
+    for text in ('<tool_call>\n{"name": "f", "arguments": {"city": "Par',
+                 '<tool_call>{"name": "f", "arguments": {"a": 1,,}}</tool_call> after'):
+        assert p.parse(text) == (text, []), text
+        s = p.streamer()
+        assert "".join(d["content"] for d in s.feed(text) + s.finish()) == text and s.calls == []
+    content, calls = p.parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n'
+                             '<tool_call>{"name": "g", "arguments": {"a": ]}</tool_call>')
+    assert [c.name for c in calls] == ["f"] and content == '<tool_call>{"name": "g", "arguments": {"a": ]}</tool_call>'
 
 
 def test_llama3_json_only_at_the_start():
@@ -430,11 +469,11 @@ def test_streamed_content_is_held_only_while_it_may_be_a_marker():
     s = ToolParser("hermes").streamer()
     assert s.feed("Hello <tool_") == [{"content": "Hello"}]  # " <tool_" may open a call
     assert s.feed("box> x") == [{"content": " <tool_box> x"}]
-    assert s.feed(' <tool_call>{"name": "f", "arguments": ') == []  # a call once its arguments begin
-    head = s.feed('{"a": [1')
-    assert head[0]["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
-    assert head[1:] == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"a":['}}]}]
-    assert s.feed("0]}}</tool_call>") == [{"tool_calls": [{"index": 0, "function": {"arguments": "10]}"}}]}]
+    assert s.feed(' <tool_call>{"name": "f", "arguments": ') == []
+    assert s.feed('{"a": [1') == []  # a call goes out once its object closes (never half a call)
+    head, args = s.feed("0]}}</tool_call>")
+    assert head["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
+    assert args == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a":[10]}'}}]}
     assert s.finish() == []
 
 

@@ -10,7 +10,7 @@
   their chunks as they come, each with its ``index``; ``usage`` counts the shared prompt once). A chat with tools
   reads each reply for calls (:mod:`turbo.serve.tool_parsers`): the message gets ``tool_calls`` and the finish
   reason ``tool_calls``; a stream sends ``tool_calls`` deltas as OpenAI does (the call's id, type and name first,
-  then its arguments in pieces).
+  then its arguments), each call once its JSON closed; a call cut by ``max_tokens`` is dropped whole.
 - Log-probability entries (their bytes, token strings and text offsets) are :mod:`turbo.serve.logprobs`.
 """
 from __future__ import annotations
@@ -102,9 +102,10 @@ class Job:
         """A finished chat reply's ``message`` and finish reason (``tool_calls`` when it made calls)."""
         if self.tool_parser is None:
             return {"role": "assistant", "content": out.text}, out.finish_reason
-        content, calls = self.tool_parser.parse(out.text, self.tools.max_calls)
+        # a call cut by max_tokens is dropped whole (no half call, no markup in the content)
+        content, calls = self.tool_parser.parse(out.text, self.tools.max_calls, cut=out.finish_reason == "length")
         if not calls:
-            return {"role": "assistant", "content": out.text}, out.finish_reason
+            return {"role": "assistant", "content": content}, out.finish_reason
         message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
         return message, self.finish(out.finish_reason, True)
 
@@ -174,7 +175,8 @@ class _Choice:
         if self.reader is None:
             deltas = [{"content": piece}] if piece else []
         else:
-            deltas = self.reader.feed(piece) + (self.reader.finish() if end is not None else [])
+            deltas = self.reader.feed(piece) + (
+                self.reader.finish(cut=self.handle.output.finish_reason == "length") if end is not None else [])
             self.called = self.called or any("tool_calls" in d for d in deltas)
             if self.reader.repeated and not self.stopped:
                 self.stopped = True

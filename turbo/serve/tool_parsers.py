@@ -14,17 +14,18 @@ One streaming scanner is the only parser: :meth:`ToolParser.parse` runs it over 
 (as the openai client joins a stream), so a streamed reply and the same reply unstreamed always agree. The rules:
 
 - Text outside calls is content. Text that may be the start of a call marker is held back until it is known.
-- A call counts once its ``name`` (a JSON string) is read and its arguments have begun with ``{`` (or its object
-  closed without arguments: then they are ``{}``). Only then is it announced: first a delta with the call's index,
-  id (``call_`` + 24 hex digits), name and ``"arguments": ""``, then the arguments as fragments. A block that ends
-  before that point, or is not JSON of that shape (no name, a name that is not a string, arguments that are not an
-  object), stays content, marker included, byte for byte.
-- Arguments are re-written compactly as they stream: the text equals ``json.dumps(json.loads(args),
-  separators=(",", ":"), ensure_ascii=False)`` (except that a key given twice is kept twice, a lone UTF-16
-  surrogate stays ``\\uXXXX`` and a number too large for a float stays as written). If the JSON breaks after the
-  call was announced (a syntax error; a reply cut by ``max_tokens``), the arguments stop where it broke (then they
-  are not valid JSON, as OpenAI warns for its own replies) and the rest of that block is dropped (``hermes``: up to
-  ``</tool_call>``; the others: to the end).
+- A call is read once its ``name`` (a JSON string) is read and its arguments have begun with ``{`` (or its object
+  closed without arguments: then they are ``{}``), and it counts once its object closes. Only then does it go out:
+  first a delta with the call's index, id (``call_`` + 24 hex digits), name and ``"arguments": ""``, then its
+  arguments in one piece. A block that is not JSON of that shape (no name, a name that is not a string, arguments
+  that are not an object, a syntax error anywhere in the object) stays content, marker included, byte for byte.
+- **No half call**: a reply never carries a call whose JSON did not close. At the end of a reply cut by
+  ``max_tokens`` (``finish(cut=True)``) the unfinished block is dropped whole: no call, no marker or partial
+  marker in the content; the complete calls before it are kept (the finish reason stays ``length``). A reply that
+  ends otherwise inside a block (end of sequence, a stop string) gives that block as content, byte for byte.
+- Arguments are re-written compactly: the text equals ``json.dumps(json.loads(args), separators=(",", ":"),
+  ensure_ascii=False)`` (except that a key given twice is kept twice, a lone UTF-16 surrogate stays ``\\uXXXX``
+  and a number too large for a float stays as written).
 - Content around calls: a reply without calls keeps its text exactly. With calls, the text before the first call
   loses its trailing whitespace, every later piece is stripped, empty pieces are dropped, and the pieces are joined
   by ``"\\n"``; the content is ``None`` when nothing is left.
@@ -32,9 +33,7 @@ One streaming scanner is the only parser: :meth:`ToolParser.parse` runs it over 
   read and dropped, text and all.
 - A call identical to an earlier one of the reply (same name, same arguments) ends the reply: it and everything
   after it are dropped and :attr:`ToolStreamer.repeated` turns true (the server then stops the generation: a small
-  model asked for "one or more" calls can repeat its call until ``max_tokens``). So the deltas of a call after the
-  first go out once its object closed (the name first, then its arguments in one piece), or at the end of a reply
-  that cut it off; the first call streams as it comes.
+  model asked for "one or more" calls can repeat its call until ``max_tokens``).
 """
 from __future__ import annotations
 
@@ -70,21 +69,21 @@ class ToolStreamer:
     """Splits a reply into OpenAI chat deltas as it arrives: :meth:`feed` a text piece, get a list of deltas
     (``{"content": ...}`` and ``{"tool_calls": [...]}``); :meth:`finish` at the end of the reply for the rest.
 
-    After :meth:`finish`, ``calls`` holds the announced calls (:class:`ToolCall`) and ``broken`` the indexes of those
-    whose JSON broke or was cut off. ``repeated``: a call repeated an earlier one, and the rest was ignored."""
+    After :meth:`finish`, ``calls`` holds the calls (:class:`ToolCall`, each complete). ``repeated``: a call repeated
+    an earlier one, and the rest was ignored."""
 
     def __init__(self, fmt: str, max_calls: int | None = None) -> None:
         self.fmt, self.max_calls = fmt, max_calls
         self.out: list[list] = []             # deltas to give: ["c", None, parts], ["a", index, parts], ["h", delta]
         self.calls: list[ToolCall] = []
         self.parts: list[list[str]] = []      # each call's argument text
-        self.broken: list[int] = []
         self.n_calls = 0                      # calls read, dropped ones (over max_calls) included
         self.todo: deque[str] = deque()       # characters to read (a rejected block's text is read again)
         self.mode = "text"                    # text, open, object, after, skip
         self.armed = True                     # may a marker open a block here (llama3_json: only at the start)
         self.hold = ""                        # text that may be the start of a marker
         self.marker, self.raw = "", []        # the block's marker and its text so far (content if it is no call)
+        self.head = ""                        # the marker that opened the block (kept after the call is read)
         self.array = False                    # mistral: the calls are in a JSON array
         self.obj: CallObject | None = None
         self.call: ToolCall | None = None     # the announced call being read (None: not yet, or a dropped one)
@@ -139,17 +138,23 @@ class ToolStreamer:
         self._drain()
         return self._take()
 
-    def finish(self) -> list[dict]:
-        """The deltas left at the end of the reply: held text, a block that never became a call."""
-        self.held_from = None  # a call cut off by the end goes out as it is
-        while self.mode == "open" and self.marker or self.mode == "object" and not self.committed:
+    def finish(self, cut: bool = False) -> list[dict]:
+        """The deltas left at the end of the reply: held text, a block that never became a call. ``cut``: the reply
+        was cut by ``max_tokens``, so an unfinished block (and a held partial marker) is dropped, not content."""
+        while self.mode == "open" and self.marker or self.mode == "object":
+            if self.committed and self.call is None:
+                break  # a call over max_calls, dropped anyway
+            if self.call is not None:
+                self._drop_call()
+            if cut:
+                self.mode, self.marker, self.raw, self.obj, self.hold = "text", "", [], None, ""
+                break
             self._reject()
             self._drain()
-        if self.mode == "object" and self.call is not None:
-            self.broken.append(len(self.calls) - 1)  # cut off inside its JSON
         if self.mode == "text":
             hold, self.hold = self.hold, ""
-            self._text(hold)
+            if not cut:
+                self._text(hold)
         if not self.n_calls and "".join(self.ws):
             self._content("".join(self.ws))
         self.ws, self.mode = [], "done"
@@ -178,9 +183,9 @@ class ToolStreamer:
             if hold.endswith(m):
                 self.hold = ""
                 self._text(hold[:-len(m)])
-                self.mode, self.marker, self.raw, self.array = "open", m, [m], False
+                self.mode, self.marker, self.raw, self.array, self.head = "open", m, [m], False, m
                 if m == "{":  # llama3_json: the call's own brace
-                    self.marker, self.raw = "", []
+                    self.marker, self.raw, self.head = "", [], ""
                     self._open_char(c)
                 return
         keep = max((k for m in markers for k in range(1, min(len(hold), len(m) - 1) + 1)
@@ -206,8 +211,9 @@ class ToolStreamer:
 
     def _reject(self) -> None:
         """The block is no call: its marker is content, the rest is read again as text."""
-        head, rest = self.marker, "".join(self.raw)[len(self.marker):]
-        self.mode, self.marker, self.raw, self.obj = "text", "", [], None
+        head = self.marker or self.head
+        rest = "".join(self.raw)[len(head):]
+        self.mode, self.marker, self.raw, self.obj, self.head, self.committed = "text", "", [], None, "", False
         if self.fmt == "llama3_json":
             self.armed = False
         self._text(head)
@@ -218,12 +224,12 @@ class ToolStreamer:
         obj = self.obj
         obj.feed(c)
         if obj.state == "bad":
-            if not self.committed:
-                return self._reject()
+            if self.committed and self.call is None:  # a call over max_calls: dropped anyway
+                self.mode, self.tail = "skip", c
+                return
             if self.call is not None:
-                self.broken.append(len(self.calls) - 1)
-            self.mode, self.tail = "skip", c
-            return
+                self._drop_call()
+            return self._reject()
         if not self.committed and obj.name is not None and (obj.has_args or obj.state == "done"):
             self._commit()
         if self.call is not None and len(obj.args) > self.sent:
@@ -232,9 +238,10 @@ class ToolStreamer:
         if obj.state == "done":
             if not self.committed:
                 return self._reject()
-            self.mode, self.tail, self.raw, self.marker = "after", "", [], ""
+            self.mode, self.tail, self.raw, self.marker, self.head = "after", "", [], "", ""
             if self.call is not None:
                 self._close_call()
+            self.call, self.committed = None, False
 
     def _close_call(self) -> None:
         """The open call's object closed: release its deltas, or end the reply if it repeats an earlier call."""
@@ -245,6 +252,11 @@ class ToolStreamer:
             self.call, self.repeated, self.mode = None, True, "done"
         self.held_from = None
 
+    def _drop_call(self) -> None:
+        """The open call never closed (its JSON broke, or the reply ended): it and its held deltas are gone."""
+        del self.out[self.held_from:], self.calls[-1], self.parts[-1]
+        self.call, self.held_from, self.n_calls = None, None, self.n_calls - 1
+
     def _commit(self) -> None:
         obj = self.obj
         self.committed, self.n_calls, self.marker = True, self.n_calls + 1, ""
@@ -254,7 +266,7 @@ class ToolStreamer:
         if self.max_calls is not None and len(self.calls) >= self.max_calls:
             return  # over max_calls: read and dropped
         self.call = ToolCall(obj.name, "")
-        self.held_from = len(self.out) if self.calls else None  # only a later call can repeat one
+        self.held_from = len(self.out)  # its deltas go out when its object closes
         self.calls.append(self.call)
         self.parts.append([])
         self.out.append(["h", {"tool_calls": [{"index": len(self.calls) - 1, "id": self.call.id, "type": "function",
@@ -297,10 +309,11 @@ class ToolParser:
         """A fresh :class:`ToolStreamer` for one reply (``max_calls``: keep only the first calls)."""
         return ToolStreamer(self.name, max_calls)
 
-    def parse(self, text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, max_calls: int | None = None, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)`` of a whole reply: exactly what joining :meth:`streamer`'s deltas gives; content is
-        ``None`` when there are calls and no other text."""
+        ``None`` when there are calls and no other text. ``cut``: the reply was cut by ``max_tokens``
+        (:meth:`ToolStreamer.finish`)."""
         s = self.streamer(max_calls)
-        content = "".join(d.get("content", "") for d in s.feed(text) + s.finish())
+        content = "".join(d.get("content", "") for d in s.feed(text) + s.finish(cut))
         return (content if content or not s.calls else None), s.calls
 
