@@ -19,6 +19,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from turbo import Engine, EngineConfig, GenerationConfig
+from turbo.errors import InvalidRequest
 from turbo.core.inputs import encode
 from turbo.serve import protocol, tools
 from turbo.serve.app import create_app
@@ -555,12 +556,29 @@ def test_session_turns_call_tools_and_take_tool_results(app, http):
     got: dict[int, list[str]] = {}
     for ch in chunks:
         for tc in ch.get("tool_calls", []):
-            g = got.setdefault(tc["index"], ["", ""])
+            g = got.setdefault(tc["index"], ["", "", ""])
             g[0] += tc.get("function", {}).get("name", "")
             g[1] += tc.get("function", {}).get("arguments", "")
-    assert [(n, json.loads(a)) for n, a in got.values()] == [
+            g[2] += tc.get("id", "")
+    assert [(n, json.loads(a)) for n, a, _ in got.values()] == [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
     assert chunks[-1]["finish_reason"] == "tool_calls"
+    # the session keeps the turn with its calls and the ids it sent (issue 39: it kept only the text)
+    kept = http.get(f"/v1/sessions/{sids[0]}").json()["messages"][-1]
+    assert [c["id"] for c in kept["tool_calls"]] == [c["id"] for c in calls] and kept["content"] is None
+    assert [c["function"]["arguments"] for c in kept["tool_calls"]] == [
+        json.loads(c["function"]["arguments"]) for c in calls]
+    kept1 = http.get(f"/v1/sessions/{sids[1]}").json()["messages"][-1]
+    assert [c["id"] for c in kept1["tool_calls"]] == [g[2] for g in got.values()]
+    # a tool turn naming an id no open call has: 400 naming tool_call_id, the session unchanged
+    before = http.get(f"/v1/sessions/{sids[0]}").json()["messages"]
+    for wrong in ("call_nope", got[0][2]):  # made up; a call of the other session
+        r = http.post(f"/v1/sessions/{sids[0]}/chat", json={"role": "tool", "tool_call_id": wrong, "content": "18"})
+        assert r.status_code == 400 and "tool_call_id" in r.json()["error"]["message"], r.text
+        r = http.post("/v1/chat/completions", json={"session_id": sids[0], "max_tokens": 4, "messages": [
+            {"role": "tool", "tool_call_id": wrong, "content": "18"}]})
+        assert r.status_code == 400, r.text
+    assert http.get(f"/v1/sessions/{sids[0]}").json()["messages"] == before
     # the tool's result, on a turn without tools: the session renders its tools again
     res = http.post(f"/v1/sessions/{sids[0]}/chat", json={"role": "tool", "tool_call_id": calls[0]["id"],
                                                           "content": '{"temp": 18}', "max_tokens": 8,
@@ -573,8 +591,17 @@ def test_session_turns_call_tools_and_take_tool_results(app, http):
     assert res["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # the chat completions spelling of the same turn: the last message is the tool's result
     r = http.post("/v1/chat/completions", json={"session_id": sids[1], "max_tokens": 4, "messages": [
-        {"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temp": 18}'}]})
+        {"role": "tool", "tool_call_id": got[0][2], "content": '{"temp": 18}'}]})
     assert r.status_code == 200, r.text
+    # answered: the same id again, or any id after a user turn, answers nothing
+    r = http.post(f"/v1/sessions/{sids[0]}/chat", json={"role": "tool", "tool_call_id": calls[0]["id"],
+                                                        "content": "18"})
+    assert r.status_code == 400 and "answers no call of this session" in r.json()["error"]["message"], r.text
+    # the issue's case: a session whose last assistant turn made no call
+    plain = http.post("/v1/sessions", json={}).json()["id"]
+    assert http.post(f"/v1/sessions/{plain}/chat", json={"content": "Hi", "max_tokens": 4}).status_code == 200
+    r = http.post(f"/v1/sessions/{plain}/chat", json={"role": "tool", "tool_call_id": "call_nope", "content": "18"})
+    assert r.status_code == 400 and len(http.get(f"/v1/sessions/{plain}").json()["messages"]) == 2, r.text
     for bad in ({"content": "x", "role": "tool"}, {"content": "x", "tool_call_id": "call_1"},
                 {"content": "x", "role": "system"}):
         error(http.post(f"/v1/sessions/{sids[0]}/chat", json=bad), 400)
@@ -590,8 +617,15 @@ def test_library_session_keeps_its_tools_across_turns_and_a_save(smollm2_path, t
     assert s.tools == TOOLS
     want = encode(tok, render_prompt(tok, s.messages[:-1], TOOLS), add_special_tokens=False)
     assert s.last.prompt_tokens == len(want) and s.last.cached_tokens > 0
-    s.chat('{"temp": 18}', tool_call_id="call_x", max_new_tokens=4)
-    assert s.messages[-2] == {"role": "tool", "content": '{"temp": 18}', "tool_call_id": "call_x"}
+    with pytest.raises(InvalidRequest, match="tool_call_id"):  # no turn made a call yet
+        s.chat('{"temp": 18}', tool_call_id="call_x", max_new_tokens=4)
+    assert s.messages[-1]["role"] == "assistant" and len(s.messages) == 5
+    grammar = tools.call_grammar(tools.read_tools(TOOLS, "required", False), "hermes")
+    s.chat("And in Oslo?", grammar=grammar, max_new_tokens=60, temperature=0)
+    (call,) = s.messages[-1]["tool_calls"]  # read from the reply, kept with its id and its arguments as a dict
+    assert call["function"]["name"] in PARAMS and isinstance(call["function"]["arguments"], dict)
+    s.chat('{"temp": 18}', tool_call_id=call["id"], max_new_tokens=4)
+    assert s.messages[-2] == {"role": "tool", "content": '{"temp": 18}', "tool_call_id": call["id"]}
     s.save(tmp_path / "s")
     back = engine.load_session(tmp_path / "s")
     assert back.tools == TOOLS and back.messages == s.messages

@@ -1,4 +1,4 @@
-"""Tool calling (turbo/serve/tools.py, turbo/serve/tool_parsers.py): request checks, tool messages, the prompt,
+"""Tool calling (turbo/serve/tools.py, turbo/tool_parsers.py): request checks, tool messages, the prompt,
 the three reply formats whole and streamed (joined by the openai client's own stream accumulator), the grammar
 that forces a call (checked with llguidance on SmolLM2's tokenizer, the arguments checked with jsonschema), and the
 finish reason."""
@@ -15,7 +15,7 @@ from lite.formats import LiteturboError
 from turbo.errors import InvalidRequest
 from turbo.http_errors import APIError
 from turbo.serve import protocol, tools
-from turbo.serve.tool_parsers import ToolParser
+from turbo.tool_parsers import ToolParser
 
 llguidance = pytest.importorskip("llguidance")
 import llguidance.hf  # noqa: E402

@@ -20,10 +20,11 @@ from safetensors.torch import load_file, save_file
 
 from lite.formats import LiteturboError, make_dirs
 
-from .chat_render import render_prompt
+from .chat_render import render_prompt, template_text
 from .config import GenerationConfig, generation_config
 from .core import EngineCore, GenerationOutput, Request, saved_kv_ref
 from .errors import Conflict, InvalidRequest
+from .tool_parsers import ToolParser, parser_for_template, reading as tool_reading
 
 
 class Session:
@@ -47,6 +48,7 @@ class Session:
         self.tools: list[dict] | None = None  # OpenAI's tools list the turns are rendered with (turbo.chat_render)
         self._keep_partial, self._before = False, []  # the running turn's: keep a partial reply? history before it
         self._turn_tools: list[dict] | None = None  # the running turn's, kept once it is recorded
+        self._turn_reading: dict | None = None  # how the running turn's reply is read for calls (tool_parsers.reading)
 
     def chat(self, message: str, stream: bool = False, gen: GenerationConfig | None = None, priority: int = 0,
              tools: list[dict] | None = None, tool_call_id: str | None = None, keep_partial: bool = False, **kwargs):
@@ -57,8 +59,12 @@ class Session:
         the assistant's turn instead (a chat UI's Stop button).
 
         ``tools`` (OpenAI's ``tools`` list) are rendered into this and later turns (see :mod:`turbo.chat_render`;
-        ``[]`` removes them); the reply is the model's text, tool-call markup included. ``tool_call_id``: the message
-        is the result of that tool call (a ``tool`` message) instead of the user's.
+        ``[]`` removes them); the reply is the model's text, tool-call markup included, and the session keeps it as
+        a structured assistant turn: its calls, read in the chat template's format (:mod:`turbo.tool_parsers`), go
+        to ``messages[-1]["tool_calls"]`` with their ids. ``tool_call_id``: the message is the result of that tool
+        call (a ``tool`` message) instead of the user's; it must be a call of the last assistant turn that made calls
+        and not yet answered, with no user turn since (else ``InvalidRequest`` naming ``tool_call_id``, nothing
+        changed).
 
         ``self.last`` holds the :class:`GenerationOutput` of the latest turn (tokens, timings, cache hits).
         Raises ``LiteturboError`` for a closed or busy session, an empty message, or a conversation longer
@@ -72,7 +78,9 @@ class Session:
         if not message.strip():
             raise LiteturboError("the message is empty: type some text")
         gen = generation_config(gen, kwargs)
-        it = self._turn(message, gen, priority, tools, tool_call_id, keep_partial)
+        turn_tools = self.tools if tools is None else tools
+        read = tool_reading(parser_for_template(template_text(self.engine.tokenizer))) if turn_tools else None
+        it = self._turn(message, gen, priority, tools, tool_call_id, keep_partial, read)
         if stream:
             return it
         return "".join(it)
@@ -83,9 +91,9 @@ class Session:
                            "the stream / disconnect), or use another session")
 
     def _turn(self, message: str, gen: GenerationConfig, priority: int, tools, tool_call_id,
-              keep_partial: bool) -> Iterator[str]:
+              keep_partial: bool, read: dict | None) -> Iterator[str]:
         # runs at the first next(): a stream never started holds nothing
-        req, messages = self.begin_turn(message, gen, priority, tools, tool_call_id, keep_partial)
+        req, messages = self.begin_turn(message, gen, priority, tools, tool_call_id, keep_partial, read)
         pieces: list[str] = []
         out = None
         try:
@@ -99,26 +107,35 @@ class Session:
             self.end_turn(req, messages, out, pieces)
 
     def begin_turn(self, message: str, gen: GenerationConfig, priority: int = 0, tools: list[dict] | None = None,
-                   tool_call_id: str | None = None, keep_partial: bool = False) -> tuple[Request, list[dict]]:
+                   tool_call_id: str | None = None, keep_partial: bool = False,
+                   read: dict | None = None) -> tuple[Request, list[dict]]:
         """Mark the session busy and queue its next turn: the request and the conversation it answers. Whoever drives
         the request (this session's stream, or :class:`turbo.loop.EngineLoop`) must call :meth:`end_turn` after.
         ``tools`` / ``tool_call_id`` / ``keep_partial``: see :meth:`chat` (the tools are kept once the turn is
-        recorded). Raises
-        ``Conflict`` for a busy session, ``InvalidRequest`` for a closed one, bad tools or a bad prompt."""
+        recorded). ``read`` (:func:`turbo.tool_parsers.reading`): read the reply for calls and keep them as a
+        structured assistant turn (the HTTP front passes the parser, ``max_calls`` and call-id prefix it answers
+        with, so the ids it sent are the ids kept); ``None``: the reply is kept as text. Raises ``Conflict`` for a
+        busy session, ``InvalidRequest`` for a closed one, bad tools, a ``tool_call_id`` that answers no open call
+        (see :meth:`chat`) or a bad prompt."""
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidRequest("tools must be a list of OpenAI tool objects ({'type': 'function', 'function': ...})")
         if tool_call_id is not None and (not isinstance(tool_call_id, str) or not tool_call_id):
             raise InvalidRequest("tool_call_id must be the id of the tool call this message answers")
+        if read is not None:
+            ToolParser(read["parser"])  # a bad parser name fails before the session is touched
         with self.engine.lock:
             if self.closed:
                 raise InvalidRequest("this session is closed; open a new one with engine.session()")
             self._check_idle()
+            if tool_call_id is not None:
+                self._check_tool_call_id(tool_call_id)
             self.busy = True
         try:
             new = {"role": "user", "content": message} if tool_call_id is None else \
                 {"role": "tool", "content": message, "tool_call_id": tool_call_id}
             messages = self.messages + [new]
             self._turn_tools = self.tools if tools is None else (tools or None)
+            self._turn_reading = read
             self._keep_partial, self._before = bool(keep_partial), list(self.seq.token_ids)
             ids = self._render(messages)
             if len(ids) >= self.engine.session_len and self.engine.config.session_overflow == "drop-oldest":
@@ -130,8 +147,43 @@ class Session:
         req.keep_cache = True
         return req, messages
 
+    def open_tool_calls(self) -> list[str]:
+        """Ids of the calls a tool turn may answer now: those of the last assistant turn that made calls, minus the
+        ones already answered, when no user turn came after it (else none)."""
+        answered = set()
+        for m in reversed(self.messages):
+            if m["role"] == "tool":
+                answered.add(m.get("tool_call_id"))
+            elif m["role"] == "user":
+                return []
+            elif m["role"] == "assistant" and m.get("tool_calls"):
+                return [c["id"] for c in m["tool_calls"] if c["id"] not in answered]
+        return []
+
+    def _check_tool_call_id(self, tool_call_id: str) -> None:
+        open_ = self.open_tool_calls()
+        if tool_call_id not in open_:
+            made = f"the calls waiting for a result are {', '.join(open_)}" if open_ else \
+                "no call of this session waits for a result"
+            raise InvalidRequest(f"tool_call_id {json.dumps(tool_call_id)[:80]} answers no call of this session "
+                                 f"({made}); send the id of a call the last assistant turn made, or a user turn")
+
+    def _assistant_turn(self, reply: str, out: GenerationOutput) -> dict:
+        """The assistant message a reply is kept as: with its calls (``arguments`` as dicts, as chat templates
+        take them) when the turn reads calls and the reply made some, else its text."""
+        read = self._turn_reading
+        if read is None:
+            return {"role": "assistant", "content": reply}
+        content, calls = ToolParser(read["parser"]).parse(reply, read["max_calls"], out.finish_reason == "length",
+                                                          read["call_id_prefix"])
+        if not calls:
+            return {"role": "assistant", "content": reply}
+        return {"role": "assistant", "content": content, "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+            for c in calls]}
+
     def _render(self, messages: list[dict]) -> list[int]:
-        if self._turn_tools or any(m["role"] == "tool" for m in messages):
+        if self._turn_tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             text = render_prompt(self.engine.tokenizer, messages, self._turn_tools)
             return self.engine.encode(text, add_special_tokens=False)
         return self.engine.chat_template_ids(messages)
@@ -164,7 +216,7 @@ class Session:
         # a failed turn is kept only with the text its client already saw; one that failed before any text (e.g. its
         # constraint refused the first token) leaves the conversation as it was
         if (out.token_ids or pieces) if out.finish_reason != "error" else reply:
-            self.messages = messages + [{"role": "assistant", "content": reply}]
+            self.messages = messages + [self._assistant_turn(reply, out)]
             self.tools = self._turn_tools
         if out.finish_reason == "error" or not (out.token_ids or pieces):
             # a failed turn's tokens and K/V must not poison the next turns, and a turn that produced nothing
@@ -247,9 +299,11 @@ def load_session(engine: EngineCore, path: str | Path) -> Session:
     if system is not None and not isinstance(system, str):
         raise LiteturboError(f"{bad}: 'system' must be a string or null")
     if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                isinstance(m.get("content"), str) or m.get("content") is None and isinstance(m.get("tool_calls"), list))
             for m in messages):
-        raise LiteturboError(f"{bad}: 'messages' must be a list of {{'role': str, 'content': str}}")
+        raise LiteturboError(f"{bad}: 'messages' must be a list of {{'role': str, 'content': str}} (content null "
+                             f"only beside 'tool_calls')")
     if not isinstance(token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size
             for t in token_ids):

@@ -51,9 +51,10 @@ class EngineClient(Protocol):
 
     def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False,
                     tools: list[dict] | None = None, tool_call_id: str | None = None,
-                    keep_partial: bool = False) -> RequestHandle:
+                    keep_partial: bool = False, read: dict | None = None) -> RequestHandle:
         """Queue session ``sid``'s next turn (saved under the session dir when it ends if ``persist``; ``tools``,
-        ``tool_call_id`` and ``keep_partial`` as :meth:`turbo.session.Session.chat` takes them); raises ``NotFound``
+        ``tool_call_id`` and ``keep_partial`` as :meth:`turbo.session.Session.chat` takes them, ``read`` as
+        :meth:`turbo.session.Session.begin_turn`); raises ``NotFound``
         for an unknown id, ``Conflict`` while it generates, ``InvalidRequest`` for a bad message."""
 
     def session_create(self, system: str | None = None, session_id: str | None = None,

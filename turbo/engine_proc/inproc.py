@@ -46,14 +46,14 @@ class InprocClient:
 
     def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False,
                     tools: list[dict] | None = None, tool_call_id: str | None = None,
-                    keep_partial: bool = False) -> RequestHandle:
+                    keep_partial: bool = False, read: dict | None = None) -> RequestHandle:
         """Queue session ``sid``'s next turn (saved under the session dir when it ends if ``persist``; ``tools``,
         ``tool_call_id`` and ``keep_partial`` as :meth:`turbo.session.Session.chat` takes them); raises ``NotFound`` for an unknown id,
         ``Conflict`` while it generates, ``InvalidRequest`` for a bad message."""
         session = self.sessions.get(sid)
         on_end = (lambda: self.sessions.persist(sid)) if persist else None
         return self.loop.submit_chat(session, message, gen, 0, on_end, tools=tools, tool_call_id=tool_call_id,
-                                     keep_partial=keep_partial)
+                                     keep_partial=keep_partial, read=read)
 
     def session_create(self, system: str | None = None, session_id: str | None = None,
                        defaults: dict | None = None) -> str:

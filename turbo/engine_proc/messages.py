@@ -78,7 +78,8 @@ class SubmitMany:
 @dataclass(slots=True)
 class Chat:
     """Queue session ``session_id``'s next turn as request ``rid`` (saved when it ends if ``persist``; ``tools``,
-    ``tool_call_id`` and ``keep_partial`` as :meth:`turbo.session.Session.chat` takes them)."""
+    ``tool_call_id`` and ``keep_partial`` as :meth:`turbo.session.Session.chat` takes them, ``read`` as
+    :meth:`turbo.session.Session.begin_turn`)."""
 
     rid: int
     session_id: str
@@ -88,6 +89,7 @@ class Chat:
     tools: list[dict] | None = None
     tool_call_id: str | None = None
     keep_partial: bool = False
+    read: dict | None = None  # turbo.session.Session.begin_turn's: how the reply is read for calls
 
 
 @dataclass(slots=True)

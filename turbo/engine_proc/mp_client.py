@@ -210,9 +210,9 @@ class MPClient:
 
     def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False,
                     tools: list[dict] | None = None, tool_call_id: str | None = None,
-                    keep_partial: bool = False) -> RemoteHandle:
+                    keep_partial: bool = False, read: dict | None = None) -> RemoteHandle:
         """Queue session ``sid``'s next turn (see :meth:`~turbo.engine_proc.client.EngineClient.submit_chat`)."""
-        return self._open(Chat(next(self._ids), sid, message, gen, persist, tools, tool_call_id, keep_partial))
+        return self._open(Chat(next(self._ids), sid, message, gen, persist, tools, tool_call_id, keep_partial, read))
 
     def session_create(self, system: str | None = None, session_id: str | None = None,
                        defaults: dict | None = None) -> str:

@@ -120,7 +120,7 @@ class EngineProcess:
             session = self.sessions.get(m.session_id)
             on_end = (lambda: self.sessions.persist(m.session_id)) if m.persist else None
             return self.loop.submit_chat(session, m.message, m.gen, 0, on_end, sink=self.sink, tools=m.tools,
-                                         tool_call_id=m.tool_call_id, keep_partial=m.keep_partial)
+                                         tool_call_id=m.tool_call_id, keep_partial=m.keep_partial, read=m.read)
         self._start(m.rid, go)
 
     # --- calls (on the loop thread, between steps) -------------------------------------------------------------------

@@ -23,7 +23,7 @@ async def wait_all(request: Request, handles: list[RequestHandle], job: Job | No
                    ) -> list[GenerationOutput] | None:
     """The requests' outputs; ``None`` if the client went away (the requests are cancelled then). A chat ``job``
     with tools reads each reply as it comes and stops one that repeats a call (its finish reason is then ``stop``,
-    see :mod:`turbo.serve.tool_parsers`)."""
+    see :mod:`turbo.tool_parsers`)."""
     async def collect(handle):
         """``handle``'s output once it ends, stopping the reply (finish reason ``stop``) at a repeated tool call."""
         reader = job.tool_parser.streamer(job.tools.max_calls) if job and job.tool_parser else None

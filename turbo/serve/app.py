@@ -62,6 +62,7 @@ from ..engine import Engine
 from ..core import encode
 from ..errors import NotFound
 from ..loop import EngineLoop
+from ..tool_parsers import reading as tool_reading
 from ..engine_proc.client import EngineClient
 from ..engine_proc.inproc import InprocClient
 from ..engine_proc.mp_client import MPClient
@@ -267,8 +268,11 @@ async def chat_completions(request: Request):
                        param="messages")
     gen = s.gen(s.defaults(req.session_id, stored)[0], req.sampling, s.tool_constraint(req.tools, req.sampling),
                 want_lp)
+    read = tool_reading(s.tool_parser.name, reads.max_calls) if reads else None
+    job.call_id_prefix = read and read["call_id_prefix"]  # the session keeps the calls with the ids sent
     handle = await on_session(s, c.submit_chat, req.session_id, last["content"], gen, s.persist,
-                              req.tools.openai() if req.tools else None, last.get("tool_call_id"), req.keep_partial)
+                              req.tools.openai() if req.tools else None, last.get("tool_call_id"), req.keep_partial,
+                              read)
     return await respond(request, job, [handle])
 
 
@@ -304,11 +308,13 @@ async def session_chat(sid: str, request: Request):
     stored = await on_session(s, s.client.check_session, sid)  # 404 before reading the body
     turn = protocol.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
     gen = s.gen(s.defaults(sid, stored)[0], turn.sampling, s.tool_constraint(turn.tools, turn.sampling))
-    handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist,
-                              turn.tools.openai() if turn.tools else None, turn.tool_call_id, turn.keep_partial)
     reads = turn.tools if turn.tools is not None and turn.tools.parses else None
+    read = tool_reading(s.tool_parser.name, reads.max_calls) if reads else None  # the ids sent are the ids kept
+    handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist,
+                              turn.tools.openai() if turn.tools else None, turn.tool_call_id, turn.keep_partial,
+                              read)
     job = Job("session", s.model_id, turn.stream, session_id=sid, tools=reads,
-              tool_parser=s.tool_parser if reads else None)
+              tool_parser=s.tool_parser if reads else None, call_id_prefix=read and read["call_id_prefix"])
     return await respond(request, job, [handle])
 
 

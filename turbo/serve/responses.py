@@ -8,7 +8,7 @@
   event before it).
 - A job has one choice per engine request (``n`` > 1: several, answered as ``choices[i]``; a stream interleaves
   their chunks as they come, each with its ``index``; ``usage`` counts the shared prompt once). A chat with tools
-  reads each reply for calls (:mod:`turbo.serve.tool_parsers`): the message gets ``tool_calls`` and the finish
+  reads each reply for calls (:mod:`turbo.tool_parsers`): the message gets ``tool_calls`` and the finish
   reason ``tool_calls``; a stream sends ``tool_calls`` deltas as OpenAI does (the call's id, type and name first,
   then its arguments), each call once its JSON closed; a call cut by ``max_tokens`` is dropped whole.
 - Log-probability entries (their bytes, token strings and text offsets) are :mod:`turbo.serve.logprobs`.
@@ -75,8 +75,9 @@ _ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-", "session": "turn-"}
 class Job:
     """One generation to answer: what kind of response (``"chat"``, ``"completion"`` or ``"session"``), for which
     model id, and its options. ``tools`` (a :class:`~turbo.serve.tools.ToolRequest`) and ``tool_parser`` (a
-    :class:`~turbo.serve.tool_parsers.ToolParser`): a chat whose replies are read for tool calls. ``id`` defaults
-    to a fresh one with the kind's prefix."""
+    :class:`~turbo.tool_parsers.ToolParser`): a chat whose replies are read for tool calls; ``call_id_prefix``
+    (a session turn's): its calls' ids follow :func:`turbo.tool_parsers.new_call_id_prefix`'s rule, as the session
+    keeps them. ``id`` defaults to a fresh one with the kind's prefix."""
 
     kind: str
     model: str
@@ -86,6 +87,7 @@ class Job:
     session_id: str | None = None
     tools: Any = None
     tool_parser: Any = None
+    call_id_prefix: str | None = None
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -103,7 +105,8 @@ class Job:
         if self.tool_parser is None:
             return {"role": "assistant", "content": out.text}, out.finish_reason
         # a call cut by max_tokens is dropped whole (no half call, no markup in the content)
-        content, calls = self.tool_parser.parse(out.text, self.tools.max_calls, cut=out.finish_reason == "length")
+        content, calls = self.tool_parser.parse(out.text, self.tools.max_calls, cut=out.finish_reason == "length",
+                                                call_id_prefix=self.call_id_prefix)
         if not calls:
             return {"role": "assistant", "content": content}, out.finish_reason
         message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
@@ -159,7 +162,8 @@ class _Choice:
         self.job, self.index, self.handle = job, index, handle
         self.sent = self.chars = 0  # tokens whose logprobs went out, characters of text that went out
         self.offsets = TextOffsets()  # at token `sent`
-        self.reader = job.tool_parser.streamer(job.tools.max_calls) if job.tool_parser is not None else None
+        self.reader = job.tool_parser.streamer(job.tools.max_calls, job.call_id_prefix) \
+            if job.tool_parser is not None else None
         self.called = self.stopped = False  # stopped: the reply repeated a call, so its generation was stopped
 
     def chunks(self, piece: str, tokens: Tokens, end: int | None = None) -> list[dict]:

@@ -11,7 +11,7 @@ forces a call, and the finish reason. It follows OpenAI's semantics, and vLLM's 
   ``tool_choice: "none"`` the tools are still in the prompt (as vLLM does by default) but the reply is not read for
   calls (``ToolRequest.parses``).
 - :func:`choose_parser` picks the reply format from the chat template (or ``--tool-call-parser``); the parsers
-  are :mod:`turbo.serve.tool_parsers` (:class:`ToolParser`, :class:`ToolCall` re-exported here).
+  are :mod:`turbo.tool_parsers` (:class:`ToolParser`, :class:`ToolCall` re-exported here).
 - :func:`call_grammar` is the Lark grammar (llguidance's dialect) that forces a call for ``tool_choice``
   "required" or a named function: the parser's format around ``%json`` objects ``{"name": const, "arguments":
   the tool's parameters schema}`` (rewritten by :mod:`turbo.serve.schema_walk`: refs rebased, objects closed).
@@ -28,7 +28,7 @@ from .. import chat_render
 from ..chat_render import template_handles_tools, template_text  # noqa: F401 - this module's API too
 from ..http_errors import APIError
 from .schema_walk import close_objects, rebase_refs
-from .tool_parsers import PARSERS, ToolCall, ToolParser
+from ..tool_parsers import PARSERS, ToolCall, ToolParser, parser_for_template
 
 __all__ = ["Tool", "ToolRequest", "read_tools", "read_tool_message", "link_tool_messages", "render_prompt",
            "template_handles_tools", "call_grammar", "finish_reason", "ToolCall", "ToolParser", "choose_parser",
@@ -39,8 +39,6 @@ _CHOICES = ("none", "auto", "required")
 # the JSON inside a forced call: "name": "f", "arguments": {...} with a space or none after ':' and ',' (as
 # json.dumps and compact JSON write it), and no other whitespace, so that a model cannot pad it forever
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
-# the chat template text that tells which format a model was trained on
-_TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
 
 
 def choose_parser(tokenizer, explicit: str | None = None) -> str:
@@ -50,8 +48,7 @@ def choose_parser(tokenizer, explicit: str | None = None) -> str:
     the fallback prompt of templates without tools asks for)."""
     if explicit is not None:
         return ToolParser(explicit).name
-    text = template_text(tokenizer)
-    return next((name for mark, name in _TEMPLATE_MARKS if mark in text), "hermes")
+    return parser_for_template(template_text(tokenizer))
 
 
 @dataclass(frozen=True)

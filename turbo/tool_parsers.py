@@ -1,5 +1,8 @@
 """Tool-call parsers: a model's reply text split into content and OpenAI tool calls, whole or while it streams.
 
+Used by the HTTP front (:mod:`turbo.serve.tools`, :mod:`turbo.serve.responses`) and by sessions
+(:mod:`turbo.session` keeps a reply's calls as a structured assistant turn), so it lives below both.
+
 Three formats (``PARSERS``), as vLLM names them:
 
 - ``hermes`` (Hermes / Qwen, and what :mod:`turbo.serve.tools`' fallback prompt asks for): each call is
@@ -47,9 +50,32 @@ PARSERS = ("hermes", "llama3_json", "mistral")
 from .tool_json import WS, CallObject
 
 
+# the chat template text that tells which format a model was trained on
+_TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
+
+
+def parser_for_template(template: str) -> str:
+    """The format a chat template's text writes calls in (``<tool_call>`` → hermes, ``[TOOL_CALLS]`` → mistral,
+    ``<|python_tag|>`` → llama3_json), else hermes (what the fallback prompt of templates without tools asks for)."""
+    return next((name for mark, name in _TEMPLATE_MARKS if mark in template), "hermes")
+
+
 def new_call_id() -> str:
     """A tool call id as OpenAI's look: ``call_`` + 24 hex digits."""
     return "call_" + uuid.uuid4().hex[:24]
+
+
+def new_call_id_prefix() -> str:
+    """A reply's call-id prefix (16 hex digits): its calls get ``call_`` + prefix + the call's index in 8 hex digits,
+    so two readers of the same reply (the HTTP front and the session that keeps it) give the same ids."""
+    return uuid.uuid4().hex[:16]
+
+
+def reading(parser: str, max_calls: int | None = None, call_id_prefix: str | None = None) -> dict:
+    """How a session turn's reply is read for calls, as plain data (it crosses to the engine process):
+    ``{"parser", "max_calls", "call_id_prefix"}``. Unknown ``parser``: LiteturboError."""
+    ToolParser(parser)
+    return {"parser": parser, "max_calls": max_calls, "call_id_prefix": call_id_prefix or new_call_id_prefix()}
 
 
 @dataclass
@@ -72,8 +98,8 @@ class ToolStreamer:
     After :meth:`finish`, ``calls`` holds the calls (:class:`ToolCall`, each complete). ``repeated``: a call repeated
     an earlier one, and the rest was ignored."""
 
-    def __init__(self, fmt: str, max_calls: int | None = None) -> None:
-        self.fmt, self.max_calls = fmt, max_calls
+    def __init__(self, fmt: str, max_calls: int | None = None, call_id_prefix: str | None = None) -> None:
+        self.fmt, self.max_calls, self.call_id_prefix = fmt, max_calls, call_id_prefix
         self.out: list[list] = []             # deltas to give: ["c", None, parts], ["a", index, parts], ["h", delta]
         self.calls: list[ToolCall] = []
         self.parts: list[list[str]] = []      # each call's argument text
@@ -265,7 +291,8 @@ class ToolStreamer:
             obj.args.append("{}")
         if self.max_calls is not None and len(self.calls) >= self.max_calls:
             return  # over max_calls: read and dropped
-        self.call = ToolCall(obj.name, "")
+        self.call = ToolCall(obj.name, "") if self.call_id_prefix is None else \
+            ToolCall(obj.name, "", f"call_{self.call_id_prefix}{len(self.calls):08x}")
         self.held_from = len(self.out)  # its deltas go out when its object closes
         self.calls.append(self.call)
         self.parts.append([])
@@ -305,15 +332,17 @@ class ToolParser:
             raise LiteturboError(f"unknown tool-call parser {name!r}; choose one of {', '.join(PARSERS)}")
         self.name = name
 
-    def streamer(self, max_calls: int | None = None) -> ToolStreamer:
-        """A fresh :class:`ToolStreamer` for one reply (``max_calls``: keep only the first calls)."""
-        return ToolStreamer(self.name, max_calls)
+    def streamer(self, max_calls: int | None = None, call_id_prefix: str | None = None) -> ToolStreamer:
+        """A fresh :class:`ToolStreamer` for one reply (``max_calls``: keep only the first calls;
+        ``call_id_prefix``: ids from :func:`new_call_id_prefix`'s rule instead of random ones)."""
+        return ToolStreamer(self.name, max_calls, call_id_prefix)
 
-    def parse(self, text: str, max_calls: int | None = None, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, max_calls: int | None = None, cut: bool = False,
+              call_id_prefix: str | None = None) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)`` of a whole reply: exactly what joining :meth:`streamer`'s deltas gives; content is
         ``None`` when there are calls and no other text. ``cut``: the reply was cut by ``max_tokens``
         (:meth:`ToolStreamer.finish`)."""
-        s = self.streamer(max_calls)
+        s = self.streamer(max_calls, call_id_prefix)
         content = "".join(d.get("content", "") for d in s.feed(text) + s.finish(cut))
         return (content if content or not s.calls else None), s.calls
 

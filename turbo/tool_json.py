@@ -1,4 +1,4 @@
-"""The JSON scanner under the tool-call parsers (:mod:`turbo.serve.tool_parsers`): one call object read character by
+"""The JSON scanner under the tool-call parsers (:mod:`turbo.tool_parsers`): one call object read character by
 character as it streams, re-written compactly (``json.dumps(..., separators=(",", ":"), ensure_ascii=False)``), with
 the call's ``name`` and its arguments' text picked out. Pure Python, no state beyond one object.
 """
