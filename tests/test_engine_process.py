@@ -216,6 +216,47 @@ def test_engine_process_killed_mid_generation_gives_503_and_the_server_exits(tin
 
 
 @pytest.mark.e2e
+def test_a_stopped_engine_is_a_stall_503_within_the_bound_and_200_after_it_resumes(tiny):
+    # issue 39: with the engine process alive but stopped (SIGSTOP), /health answered 200 and requests waited 600 s
+    proc, url = _start_server(tiny, "--stall-timeout", "2")
+    engine = _engine_pid(proc)
+    stopped = False
+    try:
+        body = {"model": "tiny", "prompt": "the year", "max_tokens": 900, "ignore_eos": True, "stream": True}
+
+        def stop():
+            nonlocal stopped
+            os.kill(engine, signal.SIGSTOP)
+            stopped = True
+        events, errors, t_stop = _stream_then(url, body, stop)
+        waited = time.time() - t_stop
+        assert errors and "no progress" in errors[0]["message"] and events[-1] == "data: [DONE]", events[-3:]
+        assert waited < 2 + 3, waited  # the bound, plus the watchdog's tick and the client's read
+        h = httpx.get(f"{url}/health", timeout=5)
+        assert h.status_code == 503 and "no progress" in h.json()["error"]["message"], h.text
+        t0 = time.time()
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and time.time() - t0 < 2 and "retry" in r.json()["error"]["message"], r.text
+        assert r.headers.get("retry-after")
+        os.kill(engine, signal.SIGCONT)
+        stopped = False
+        deadline = time.time() + 10
+        while httpx.get(f"{url}/health", timeout=5).status_code != 200:
+            assert time.time() < deadline, "/health did not return to 200 after the engine resumed"
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+        assert "liteturbo_engine_stalls 1.0" in metrics
+        # the stalled request was cancelled in the engine: every KV block is free again
+        assert "liteturbo_kv_blocks_used 0.0" in metrics
+    finally:
+        if stopped:
+            os.kill(engine, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.e2e
 def test_a_front_that_dies_takes_its_engine_process_with_it(tiny):
     proc, url = _start_server(tiny)
     engine = psutil.Process(_engine_pid(proc))

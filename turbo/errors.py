@@ -37,6 +37,11 @@ class OverCapacity(LiteturboError):
         self.retry_after = retry_after
 
 
+class EngineStalled(OverCapacity):
+    """The engine process lives but has made no progress for longer than the stall timeout while requests were open
+    (a hang, or the process stopped): 503, retry after ``retry_after`` seconds. The message names the stall."""
+
+
 class InternalError(LiteturboError):
     """The engine failed while running the request (a kernel error): 500."""
 

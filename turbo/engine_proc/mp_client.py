@@ -10,6 +10,14 @@ raised for the caller: 400 / 404 / 409 / 503 as in one process), each loop turn'
 engine process: when it dies (or says a tensor-parallel worker died), every open request ends with
 :class:`~turbo.errors.EngineDead` (503 naming the cause), ``running`` turns false (``/health`` answers 503),
 ``dead`` says why and the ``on_dead`` callbacks run (the server then exits).
+
+A watchdog thread notices an engine process that lives but makes no progress (hung in a step, or stopped): with
+requests open, the engine sends a message at least every second while its loop turns end
+(:data:`~turbo.engine_proc.process.TICK_SECONDS`); when none came for ``stall_timeout`` seconds, :attr:`stalled`
+names the stall (``/health`` answers 503, so a router takes the replica out of rotation), :attr:`stalls` counts it,
+every open request ends with :class:`~turbo.errors.EngineStalled` (503, and a cancel is sent so the engine frees
+its blocks if it moves again) and new ones are refused with it at once. The next message from the engine clears
+:attr:`stalled`.
 """
 from __future__ import annotations
 
@@ -29,7 +37,7 @@ from lite.formats import LiteturboError
 
 from ..config import GenerationConfig
 from ..core import chat_template_ids, encode, load_tokenizer
-from ..errors import EngineDead, InvalidRequest
+from ..errors import EngineDead, EngineStalled, InvalidRequest
 from ..loop import RequestHandle
 from .messages import Ack, Call, Cancel, Chat, Dead, Out, Ready, Reply, Shutdown, Submit, SubmitMany, WireError
 
@@ -75,16 +83,21 @@ class MPClient:
     """Starts the engine process for ``model`` (name or folder) with ``engine_options``
     (:class:`~turbo.config.EngineConfig` fields), a session registry with ``registry`` keywords
     (``max_sessions``, ``idle_timeout``, ``session_dir``) and ``max_waiting``; waits until it is loaded (raises
-    ``LiteturboError`` with the engine's own message when loading fails). ``close()`` stops it."""
+    ``LiteturboError`` with the engine's own message when loading fails). ``stall_timeout``: seconds without
+    progress, with requests open, before the engine counts as stalled (module docs). ``close()`` stops it."""
 
     def __init__(self, model, engine_options: dict | None = None, registry: dict | None = None,
-                 max_waiting: int = 256, start_timeout: float = 1800.0) -> None:
+                 max_waiting: int = 256, start_timeout: float = 1800.0, stall_timeout: float = 20.0) -> None:
+        if not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
+            raise LiteturboError(f"stall_timeout must be a positive number of seconds, got {stall_timeout!r}")
         import zmq
 
         self.zmq = zmq
         self.observers: list = []  # called with each finished request's GenerationOutput (receiver thread)
         self.on_dead: list = []  # called once with the reason when the engine process dies
         self.dead: str | None = None
+        self.stall_timeout, self.stalled, self.stalls = float(stall_timeout), None, 0
+        self._progress_at = self._busy_since = time.monotonic()
         self._ipc = Path(tempfile.mkdtemp(prefix="liteturbo-ipc-"))
         self.ctx = zmq.Context()
         self._to = self.ctx.socket(zmq.PUSH)
@@ -114,6 +127,8 @@ class MPClient:
         self.tokenizer = load_tokenizer(self.path)
         self._thread = threading.Thread(target=self._receive, name="liteturbo-engine-receiver", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name="liteturbo-engine-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _wait_ready(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
@@ -140,6 +155,8 @@ class MPClient:
     def _call(self, method: str, *args, timeout: float = 120.0):
         if self.dead is not None:
             raise EngineDead(self.dead)
+        if self.stalled is not None:
+            raise EngineStalled(self.stalled, retry_after=5.0)
         cid = next(self._ids)
         fut = self._calls[cid] = concurrent.futures.Future()
         self.send(Call(cid, method, args))
@@ -148,6 +165,10 @@ class MPClient:
     def _open(self, msg: Submit | Chat, timeout: float = 600.0) -> RemoteHandle:
         if self.dead is not None:
             raise EngineDead(self.dead)
+        if self.stalled is not None:
+            raise EngineStalled(self.stalled, retry_after=5.0)
+        if not self._handles:
+            self._busy_since = time.monotonic()  # the stall clock starts with the first open request
         h = self._handles[msg.rid] = RemoteHandle(self, msg.rid)
         self.send(msg)
         try:
@@ -246,6 +267,10 @@ class MPClient:
                         msg = pickle.loads(self._from.recv(zmq.NOBLOCK))
                     except zmq.Again:
                         break
+                    self._progress_at = time.monotonic()
+                    if self.stalled is not None:
+                        log.warning("the engine moves again after: %s", self.stalled)
+                        self.stalled = None
                     try:
                         self._dispatch(msg)
                     except Exception:  # noqa: BLE001 - one bad message must not stop every request's output
@@ -273,6 +298,35 @@ class MPClient:
                 fut.set_exception(msg.error.exception()) if msg.error else fut.set_result(msg.result)
         elif isinstance(msg, Dead):
             self._die(f"the engine died: {msg.why}; the server is shutting down")
+
+    def _watch(self) -> None:
+        """The watchdog thread (module docs)."""
+        while self.dead is None and not self._closing:
+            time.sleep(0.25)
+            if self.stalled is None and self._handles:
+                idle = time.monotonic() - max(self._progress_at, self._busy_since)
+                if idle > self.stall_timeout:
+                    self._stall(idle)
+
+    def _stall(self, idle: float) -> None:
+        """End every open request with :class:`EngineStalled` (cancelled in the engine too) and refuse new ones."""
+        self.stalled = (f"the engine made no progress for {idle:.0f} s with {len(self._handles)} request(s) open "
+                        f"(stall timeout {self.stall_timeout:g} s, --stall-timeout): it is hung or stopped; open "
+                        f"requests were ended; retry when /health answers 200")
+        self.stalls += 1
+        log.error("%s", self.stalled)
+        for rid, h in list(self._handles.items()):
+            if self._handles.pop(rid, None) is None:
+                continue
+            self.send(Cancel(rid, "cancelled"))
+            err = EngineStalled(self.stalled, retry_after=5.0)
+            if not h.ack.done():
+                h.ack.set_exception(err)
+            else:
+                h.feed("", [], [], err)
+        for cid, fut in list(self._calls.items()):
+            if self._calls.pop(cid, None) is not None:
+                fut.set_exception(EngineStalled(self.stalled, retry_after=5.0))
 
     def _end(self, end):
         """A request's end (its output or :class:`WireError`): the exception that ended it, or its output (then given

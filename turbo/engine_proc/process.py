@@ -21,10 +21,13 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 
 from .client import session_facts
 from .messages import Ack, Call, Cancel, Chat, Dead, Failed, Out, Ready, Reply, Shutdown, Submit, SubmitMany, WireError
+
+TICK_SECONDS = 1.0  # with requests open, an (empty) Out at least this often while turns end
 
 
 class EngineProcess:
@@ -44,12 +47,14 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self.handles: dict = {}
         self.batch = Out()  # this turn's outputs (loop thread only)
+        self.sent_at = time.monotonic()  # when a message last went to the front
         self.stop = threading.Event()
 
     def send(self, msg) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             self.out.send(data)
+        self.sent_at = time.monotonic()
 
     # --- start-up ------------------------------------------------------------------------------------------------
     def load(self, spec: dict) -> None:
@@ -80,10 +85,14 @@ class EngineProcess:
         self.batch.add(handle.rid, "", ids, lps, WireError.of(item) if isinstance(item, BaseException) else item)
 
     def flush(self) -> None:
-        """End of a loop turn: send its outputs as one message; leave when the engine died."""
+        """End of a loop turn: send its outputs as one message (with requests open and nothing to send, an empty one
+        at most every second: the front's stall watchdog sees that turns still end, e.g. in a long chunked
+        prefill); leave when the engine died."""
         if self.batch:
             batch, self.batch = self.batch, Out()
             self.send(batch)
+        elif self.handles and time.monotonic() - self.sent_at > TICK_SECONDS:
+            self.send(Out())
         dead = getattr(self.engine, "dead", None)
         if dead and not self.stop.is_set():
             self.send(Dead(str(dead)))

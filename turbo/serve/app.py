@@ -221,6 +221,9 @@ async def health(request: Request):
     s = served(request)
     if not s.client.running:
         return APIError(503, s.client.exit_reason or "the engine loop is not running").response()
+    stalled = getattr(s.client, "stalled", None)  # the engine process's watchdog (turbo/engine_proc/mp_client.py)
+    if stalled:
+        return APIError(503, stalled).response()
     return {"status": "ok", "model": s.model_id}
 
 
@@ -422,13 +425,15 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
           api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20, log_level: str = "info",
           session_dir: str | None = None, max_sessions: int = 256, session_idle_timeout: float = 3600.0,
           engine_process: bool = True, tool_call_parser: str | None = None, speculative: int = 0,
-          **engine_options) -> None:
+          stall_timeout: float = 20.0, **engine_options) -> None:
     """Load ``model`` (name or checkpoint folder) into an :class:`Engine` with ``engine_options``
     (:class:`~turbo.config.EngineConfig` fields) and serve it with uvicorn on ``host:port`` until interrupted.
     ``engine_process``: run the engine in a process of its own (:mod:`turbo.engine_proc.process`; default) or in
     this one. ``api_keys``: see :func:`create_app` (``None`` reads ``LITETURBO_API_KEYS``). ``session_dir``,
     ``max_sessions``, ``session_idle_timeout``: the :class:`~turbo.engine_proc.sessions.SessionRegistry` (sessions saved
     after every turn and restored at start with a session dir). ``tool_call_parser``: see :func:`create_app`.
+    ``stall_timeout``: seconds an engine process may make no progress with requests open before ``/health`` answers
+    503 and its open requests end (:class:`~turbo.engine_proc.mp_client.MPClient`).
     Raises ``LiteturboError`` for a bad model or option, and when the engine process died while serving (after the
     server stopped)."""
     if not is_int(port) or not 0 <= port <= 65535:
@@ -443,7 +448,7 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
         make_dirs(Path(session_dir).expanduser(), "--session-dir")
     registry = dict(max_sessions=max_sessions, idle_timeout=session_idle_timeout, session_dir=session_dir)
     if engine_process:
-        client = MPClient(model, engine_options, registry)
+        client = MPClient(model, engine_options, registry, stall_timeout=stall_timeout)
         if client.restored:
             print(f"[liteturbo] restored {client.restored} session(s) from {session_dir}", file=sys.stderr)
         app = create_app(client, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,

@@ -31,6 +31,8 @@ class ServerMetrics:
         self.hit_rate = Gauge("liteturbo_prefix_cache_hit_rate",
                               "Prompt tokens served from the prefix cache / prompt tokens, since start", registry=r)
         self.sessions_gauge = Gauge("liteturbo_sessions", "Live chat sessions", registry=r)
+        self.stalls = Gauge("liteturbo_engine_stalls", "Times the engine process made no progress for the stall "
+                            "timeout with requests open, since start", registry=r)
         self.generated = Counter("liteturbo_generated_tokens", "Tokens generated", registry=r)
         self.prompt = Counter("liteturbo_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.finished = Counter("liteturbo_requests_finished", "Finished requests by finish reason", ["reason"],
@@ -64,7 +66,11 @@ class ServerMetrics:
             self.itl.observe(out.decode_seconds / (n - 1))
 
     def render(self) -> bytes:
-        """The text exposition format, with the gauges read now."""
+        """The text exposition format, with the gauges read now (during an engine stall: the stall count, the rest as
+        last read)."""
+        self.stalls.set(getattr(self.engine, "stalls", 0))
+        if getattr(self.engine, "stalled", None):
+            return generate_latest(self.registry)
         st = self.engine.stats()
         self.running.set(st["running"])
         self.waiting.set(st["waiting"])
