@@ -82,15 +82,16 @@ def free_port() -> int:
 class Server:
     """``liteturbo serve`` in a process group of its own, restartable on the same port and session dir."""
 
-    def __init__(self, model: str, port: int, session_dir: str, extra: list[str]) -> None:
+    def __init__(self, model: str, port: int, session_dir: str, extra: list[str], log: Path) -> None:
+        self.log = log
         self.cmd = [sys.executable, "-m", "turbo.cli", "serve", model, "--port", str(port), "--log-level", "error",
                     "--session-dir", session_dir, *extra]
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 300) -> None:
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        with open(self.log, "ab") as log:  # the server's own messages, for what went wrong
+            self.proc = subprocess.Popen(self.cmd, start_new_session=True, stdout=log, stderr=log)
         deadline = time.time() + timeout
         while not self.healthy():
             if self.proc.poll() is not None or time.time() > deadline:
@@ -265,8 +266,9 @@ def main() -> None:
     if args.minutes <= 0 or args.clients < 1:
         sys.exit("--minutes must be > 0 and --clients >= 1")
     work = Path(tempfile.mkdtemp(prefix="lt-soak-"))
-    server = Server(args.model, free_port(), str(work / "sessions"), ["--max-kv-tokens", "16384"])
+    server = Server(args.model, free_port(), str(work / "sessions"), ["--max-kv-tokens", "16384"], work / "server.log")
     say = (lambda *a: None) if args.json else (lambda *a: print("[soak]", *a, file=sys.stderr, flush=True))
+    say("work folder (server.log, sessions):", work)
     server.start()
     t_start = time.time()
     total = args.minutes * 60
@@ -319,6 +321,7 @@ def main() -> None:
                    stalls=int(server.metric("liteturbo_engine_stalls")), errors_seen=soak.bad)
     finally:
         server.kill()
+    row["server_log"] = str(work / "server.log")
     print(json.dumps(row))
 
 
