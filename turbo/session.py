@@ -176,11 +176,14 @@ class Session:
             return {"role": "assistant", "content": reply}
         content, calls = ToolParser(read["parser"]).parse(reply, read["max_calls"], out.finish_reason == "length",
                                                           read["call_id_prefix"])
+        try:  # a call is complete JSON (turbo.tool_parsers); were one not, the turn is kept as text, never lost
+            calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                     for c in calls]
+        except ValueError:
+            calls = []
         if not calls:
             return {"role": "assistant", "content": reply}
-        return {"role": "assistant", "content": content, "tool_calls": [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-            for c in calls]}
+        return {"role": "assistant", "content": content, "tool_calls": calls}
 
     def _render(self, messages: list[dict]) -> list[int]:
         if self._turn_tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
