@@ -39,6 +39,7 @@ for name in ("wikitext2", "zh"):
     wins[name] = [ids[i*2048:(i+1)*2048] for i in range(NW)]
 
 def ppl(model):
+    """{text: perplexity} of ``model`` over the loaded windows."""
     out = {}
     with torch.no_grad():
         for name, ws in wins.items():
@@ -50,12 +51,14 @@ def ppl(model):
     return out
 
 def fq(w, scale, zero, gs=64, bits=4):
+    """``w [out, in]`` quantized with per-group ``scale``/``zero`` ``[out, in/gs]`` and dequantized (float32)."""
     o, i = w.shape
     g = w.reshape(o, i // gs, gs)
     q = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, 15)
     return ((q - zero[..., None]) * scale[..., None]).reshape(o, i)
 
-def plain(w, d): 
+def plain(w, d):
+    """Min/max rounding of ``w`` (``d``, the importance, unused)."""
     s, z = group_params(w.reshape(w.shape[0], -1, 64), 4, False); return fq(w, s, z)
 
 def grid(w, d, shrink=0.2, steps=21, norm=2.0, lo_hi=False):
@@ -100,11 +103,13 @@ def importance(model, kind):
     return out
 
 def apply(model, fn, imp):
+    """Replace every linear named in ``imp`` by ``fn(original weight, normalized importance)``."""
     with torch.no_grad():
         for n, d in imp.items():
             model.get_submodule(n).weight.copy_(fn(W0[n + ".weight"].float(), d / d.mean()))
 
 def reset(model):
+    """Restore the float weights."""
     with torch.no_grad():
         for n, p in model.named_parameters(): p.copy_(W0[n])
 
@@ -114,8 +119,12 @@ def eq_apply(model, alpha, pairs=("qkv", "up", "v", "gate")):
         for li, layer in enumerate(model.model.layers):
             p = f"model.layers.{li}."
             g1 = W0[p + "input_layernorm.weight"].float(); g2 = W0[p + "post_attention_layernorm.weight"].float()
-            def q(w): return plain(w, None)
+            def q(w):
+                """Plain rounding of ``w``."""
+                return plain(w, None)
+
             def sc(a):
+                """Per-channel scales ``a^alpha`` from a proxy ``a``, centred so max * min = 1."""
                 s = a.clamp(min=1e-6).pow(alpha); return s / (s.max() * s.min()).sqrt()
             # q/k/v: input scaled by s (multiply columns), the norm weight divided (folded, exact in float)
             s1 = sc(g1.abs()) if "qkv" in pairs else torch.ones_like(g1)

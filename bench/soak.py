@@ -90,6 +90,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 300) -> None:
+        """Start the server and wait (up to ``timeout`` s) until ``/health`` answers 200; exits the bench if not."""
         with open(self.log, "ab") as log:  # the server's own messages, for what went wrong
             self.proc = subprocess.Popen(self.cmd, start_new_session=True, stdout=log, stderr=log)
         deadline = time.time() + timeout
@@ -99,27 +100,32 @@ class Server:
             time.sleep(0.5)
 
     def healthy(self) -> bool:
+        """Whether ``/health`` answers 200 within 2 s."""
         try:
             return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
     def engine_pid(self) -> int:
+        """The pid of the server's engine process."""
         kids = [p for p in psutil.Process(self.proc.pid).children(recursive=True)
                 if "turbo.engine_proc.process" in " ".join(p.cmdline())]
         return kids[0].pid
 
     def rss(self) -> int:
+        """Resident bytes of the server's processes (front and engine) together."""
         procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
         return sum(p.memory_info().rss for p in procs if p.is_running())
 
     def metric(self, name: str) -> float:
+        """The value of an unlabelled metric in ``/metrics`` (``KeyError`` if absent)."""
         for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise KeyError(name)
 
     def kill(self) -> None:
+        """SIGKILL the server's process group and wait for it."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
@@ -137,15 +143,18 @@ class Soak:
         self.turns: dict[str, list[str]] = {}  # session id -> acknowledged user/tool turn texts, in order
 
     def in_fault(self, t0: float, t1: float) -> bool:
+        """Whether ``[t0, t1]`` (epoch seconds) overlaps a fault window (1 s before a fault to 5 s after recovery)."""
         return any(a - 1 <= t1 and t0 <= b + 5 for a, b in self.faults)
 
     def count(self, key: str, why: str = "") -> None:
+        """Add one to counter ``key``; ``why`` is kept for the first 10 errors outside faults."""
         with self.lock:
             self.n[key] += 1
             if key == "errors_5xx" and len(self.bad) < 10:
                 self.bad.append(why)
 
     def failed(self, t0: float, why: str) -> None:
+        """A request begun at ``t0`` failed (5xx or connection error): a fault error or one of ``errors_5xx``."""
         self.count("fault_errors" if self.in_fault(t0, time.time()) else "errors_5xx", why)
 
 
@@ -158,6 +167,7 @@ def client_loop(soak: Soak, i: int) -> None:
     pending_call = None  # a tool call of the session waiting for its result
 
     def post(path, body=None, raw=None, stream=False):
+        """``(t0, response)`` of a POST (JSON ``body`` or ``raw`` bytes); ``None`` on a connection error. Tallies it."""
         t0 = time.time()
         try:
             if stream:

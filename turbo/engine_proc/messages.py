@@ -39,6 +39,7 @@ class WireError:
 
     @classmethod
     def of(cls, e: BaseException) -> "WireError":
+        """The wire form of exception ``e``: its class name, message and ``retry_after`` (if it has one)."""
         return cls(type(e).__name__, str(e), getattr(e, "retry_after", None))
 
     def exception(self) -> BaseException:
@@ -160,6 +161,7 @@ class Out:
     ends: list = field(default_factory=list)
 
     def add(self, rid: int, text: str, ids: list[int], logprobs: list, end: Any = None) -> None:
+        """Append one item (request ``rid``'s new text, token ids, logprobs and end) to the columns."""
         self.rids.append(rid)
         self.texts.append(text)
         self.ids.append(ids)

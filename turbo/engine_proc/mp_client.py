@@ -42,6 +42,7 @@ from ..loop import RequestHandle
 from .messages import Ack, Call, Cancel, Chat, Dead, Out, Ready, Reply, Shutdown, Submit, SubmitMany, WireError
 
 log = logging.getLogger("liteturbo.server")
+STALL_RETRY_AFTER = 5.0  # seconds a request refused during a stall is told to wait (Retry-After)
 
 
 class RemoteRequest:
@@ -65,6 +66,7 @@ class RemoteHandle(RequestHandle):
         self.ack: concurrent.futures.Future = concurrent.futures.Future()
 
     def cancel(self, reason: str = "cancelled") -> None:
+        """Ask the engine process to stop the request (``reason``: its finish reason); no-op once it ended."""
         if not self._ended:
             self.client.send(Cancel(self.rid, reason))
 
@@ -156,7 +158,7 @@ class MPClient:
         if self.dead is not None:
             raise EngineDead(self.dead)
         if self.stalled is not None:
-            raise EngineStalled(self.stalled, retry_after=5.0)
+            raise EngineStalled(self.stalled, retry_after=STALL_RETRY_AFTER)
         cid = next(self._ids)
         fut = self._calls[cid] = concurrent.futures.Future()
         self.send(Call(cid, method, args))
@@ -166,7 +168,7 @@ class MPClient:
         if self.dead is not None:
             raise EngineDead(self.dead)
         if self.stalled is not None:
-            raise EngineStalled(self.stalled, retry_after=5.0)
+            raise EngineStalled(self.stalled, retry_after=STALL_RETRY_AFTER)
         if not self._handles:
             self._busy_since = time.monotonic()  # the stall clock starts with the first open request
         h = self._handles[msg.rid] = RemoteHandle(self, msg.rid)
@@ -237,24 +239,31 @@ class MPClient:
 
     def session_create(self, system: str | None = None, session_id: str | None = None,
                        defaults: dict | None = None) -> str:
+        """See :meth:`~turbo.engine_proc.client.EngineClient.session_create` (a call to the engine process)."""
         return self._call("session_create", system, session_id, defaults)
 
     def check_session(self, sid: str) -> dict:
+        """See :meth:`~turbo.engine_proc.client.EngineClient.check_session` (a call to the engine process)."""
         return self._call("check_session", sid)
 
     def session_info(self, sid: str) -> dict:
+        """See :meth:`~turbo.engine_proc.client.EngineClient.session_info` (a call to the engine process)."""
         return self._call("session_info", sid)
 
     def session_delete(self, sid: str) -> None:
+        """See :meth:`~turbo.engine_proc.client.EngineClient.session_delete` (a call to the engine process)."""
         self._call("session_delete", sid)
 
     def session_ids(self) -> list[str]:
+        """See :meth:`~turbo.engine_proc.client.EngineClient.session_ids` (a call to the engine process)."""
         return self._call("session_ids")
 
     def num_sessions(self) -> int:
+        """See :meth:`~turbo.engine_proc.client.EngineClient.num_sessions` (a call to the engine process)."""
         return self._call("num_sessions")
 
     def stats(self) -> dict:
+        """See :meth:`~turbo.engine_proc.client.EngineClient.stats` (a call to the engine process)."""
         return self._call("stats")
 
     # --- the receiver thread ---------------------------------------------------------------------------------------
@@ -315,18 +324,23 @@ class MPClient:
                         f"requests were ended; retry when /health answers 200")
         self.stalls += 1
         log.error("%s", self.stalled)
+        self._end_open(lambda: EngineStalled(self.stalled, retry_after=STALL_RETRY_AFTER), cancel=True)
+
+    def _end_open(self, error, cancel: bool = False) -> None:
+        """End every open request and pending call with ``error()`` (a fresh exception each); ``cancel``: tell the
+        engine to stop the requests too (it lives)."""
         for rid, h in list(self._handles.items()):
             if self._handles.pop(rid, None) is None:
-                continue
-            self.send(Cancel(rid, "cancelled"))
-            err = EngineStalled(self.stalled, retry_after=5.0)
+                continue  # ended meanwhile by the receiver thread
+            if cancel:
+                self.send(Cancel(rid, "cancelled"))
             if not h.ack.done():
-                h.ack.set_exception(err)
+                h.ack.set_exception(error())
             else:
-                h.feed("", [], [], err)
+                h.feed("", [], [], error())
         for cid, fut in list(self._calls.items()):
             if self._calls.pop(cid, None) is not None:
-                fut.set_exception(EngineStalled(self.stalled, retry_after=5.0))
+                fut.set_exception(error())
 
     def _end(self, end):
         """A request's end (its output or :class:`WireError`): the exception that ended it, or its output (then given
@@ -343,16 +357,7 @@ class MPClient:
     def _die(self, why: str, notify: bool = True) -> None:
         """End everything open with :class:`EngineDead` and tell ``on_dead`` (if ``notify``)."""
         self.dead = why
-        for rid, h in list(self._handles.items()):
-            self._handles.pop(rid, None)
-            err = EngineDead(self.dead)
-            if not h.ack.done():
-                h.ack.set_exception(err)
-            else:
-                h.feed("", [], [], err)
-        for cid, fut in list(self._calls.items()):
-            self._calls.pop(cid, None)
-            fut.set_exception(EngineDead(self.dead))
+        self._end_open(lambda: EngineDead(self.dead))
         for fn in self.on_dead if notify else ():
             try:
                 fn(self.dead)

@@ -271,12 +271,18 @@ async def chat_completions(request: Request):
                        param="messages")
     gen = s.gen(s.defaults(req.session_id, stored)[0], req.sampling, s.tool_constraint(req.tools, req.sampling),
                 want_lp)
-    read = tool_reading(s.tool_parser.name, reads.max_calls) if reads else None
-    job.call_id_prefix = read and read["call_id_prefix"]  # the session keeps the calls with the ids sent
+    read = _session_reading(s, reads)
+    job.call_id_prefix = read and read["call_id_prefix"]
     handle = await on_session(s, c.submit_chat, req.session_id, last["content"], gen, s.persist,
                               req.tools.openai() if req.tools else None, last.get("tool_call_id"), req.keep_partial,
                               read)
     return await respond(request, job, [handle])
+
+
+def _session_reading(s, reads) -> dict | None:
+    """How a session turn's reply is read for calls (:func:`turbo.tool_parsers.reading`), when the request reads
+    them: the session keeps the calls with the ids this front sends (same parser, ``max_calls`` and id prefix)."""
+    return tool_reading(s.tool_parser.name, reads.max_calls) if reads else None
 
 
 @v1.post("/completions")
@@ -312,7 +318,7 @@ async def session_chat(sid: str, request: Request):
     turn = protocol.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
     gen = s.gen(s.defaults(sid, stored)[0], turn.sampling, s.tool_constraint(turn.tools, turn.sampling))
     reads = turn.tools if turn.tools is not None and turn.tools.parses else None
-    read = tool_reading(s.tool_parser.name, reads.max_calls) if reads else None  # the ids sent are the ids kept
+    read = _session_reading(s, reads)
     handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist,
                               turn.tools.openai() if turn.tools else None, turn.tool_call_id, turn.keep_partial,
                               read)
