@@ -11,6 +11,8 @@ uvicorn (``liteturbo serve``). Endpoints (see docs/serving.md for every field):
   server-sent events in OpenAI's chunk shapes (ending with ``data: [DONE]``) or not; a field the server cannot
   honour (``audio``, ``echo``, ``best_of`` > 1, several prompts, ...) or does not know is refused with a 400 naming
   it, never ignored;
+- ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic's Messages API (:mod:`turbo.serve.anthropic`;
+  errors on these paths in Anthropic's shape, keys also as ``x-api-key``);
 - ``POST /v1/sessions``, ``POST /v1/sessions/{id}/chat``, ``GET`` / ``DELETE /v1/sessions/{id}``: chats whose KV
   cache stays in the engine between turns, so a turn prefills only its new tokens (also reachable as the
   ``session_id`` extension field of ``/v1/chat/completions``); kept by a
@@ -67,8 +69,8 @@ from ..engine_proc.client import EngineClient
 from ..engine_proc.inproc import InprocClient
 from ..engine_proc.mp_client import MPClient
 from ..http_errors import APIError
-from . import protocol
-from .answer import respond, submit_choices
+from . import anthropic, protocol
+from .answer import respond, submit_choices, wait_all
 from .logprobs import Logprobs, Tokens
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import MAX_LOGPROBS, gen_config, is_int, read_json
@@ -152,13 +154,16 @@ def _parse_keys(api_keys: str | list[str] | tuple[str, ...] | None) -> list[str]
 
 
 async def check_key(request: Request) -> None:
-    """401 unless the request carries ``Authorization: Bearer <key>`` with one of the server's keys (if any)."""
+    """401 unless the request carries ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as Anthropic's
+    clients send it) with one of the server's keys (if any)."""
     keys = served(request).keys
     if not keys:
         return
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     token = token.strip().encode()
+    if not auth and request.headers.get("x-api-key"):  # Anthropic's clients send the key this way
+        scheme, token, auth = "bearer", request.headers["x-api-key"].strip().encode(), "x-api-key"
     # compare with every key (constant time each), so the time taken does not tell which one nearly matched
     ok = scheme.lower() == "bearer" and sum(hmac.compare_digest(token, k) for k in keys) > 0
     if not ok:
@@ -168,11 +173,13 @@ async def check_key(request: Request) -> None:
 
 
 async def _api_error(request: Request, e: APIError):
+    if request.url.path.startswith("/v1/messages"):  # Anthropic's clients read their own error shape
+        return JSONResponse(anthropic.error_body(e), status_code=e.status, headers=e.headers)
     return e.response()
 
 
 async def _engine_failure(request: Request, e: Exception):
-    return engine_error(e).response()
+    return await _api_error(request, engine_error(e))
 
 
 async def _http_error(request: Request, e: StarletteHTTPException):
@@ -180,19 +187,19 @@ async def _http_error(request: Request, e: StarletteHTTPException):
         try:  # without a valid key, /v1 answers 401 whatever the path (routes are not revealed)
             await check_key(request)
         except APIError as auth:
-            return auth.response()
+            return await _api_error(request, auth)
     if e.status_code == 404:
         msg = (f"no endpoint {request.method} {request.url.path}; the endpoints are /, /health, /metrics, "
-               f"/v1/models, /v1/chat/completions, /v1/completions, /v1/sessions (docs/serving.md)")
+               f"/v1/models, /v1/chat/completions, /v1/completions, /v1/messages, /v1/sessions (docs/serving.md)")
     elif e.status_code == 405:
         msg = f"{request.method} is not allowed on {request.url.path}"
     else:
         msg = str(e.detail)
-    return APIError(e.status_code, msg).response()
+    return await _api_error(request, APIError(e.status_code, msg))
 
 
 async def _validation_error(request: Request, e: RequestValidationError):
-    return APIError(400, f"bad request: {e.errors()}").response()
+    return await _api_error(request, APIError(400, f"bad request: {e.errors()}"))
 
 
 async def on_session(s: Served, fn, sid: str, *args):
@@ -277,6 +284,31 @@ async def chat_completions(request: Request):
                               req.tools.openai() if req.tools else None, last.get("tool_call_id"), req.keep_partial,
                               read)
     return await respond(request, job, [handle])
+
+
+@v1.post("/messages")
+async def messages(request: Request):
+    s = served(request)
+    req = anthropic.read_request(await read_json(request, s.max_request_bytes), s.model_id)
+    job = anthropic.new_job(s.model_id, req.stream, req, s.tool_parser)
+    gen = s.gen(req.sampling, s.tool_constraint(req.tools, req.sampling))
+    ids = await run_in_threadpool(s.chat_ids, req.messages, req.tools)
+    handle = await run_in_threadpool(s.client.submit, ids, gen)
+    stops, tok = list(gen.stop), s.client.tokenizer
+    if req.stream:
+        return anthropic.event_stream(job, handle, stops, tok, len(ids))
+    outs = await wait_all(request, [handle], job)
+    if outs is None:
+        return Response(status_code=499)  # nobody is listening any more
+    return JSONResponse(anthropic.message_body(job, outs[0], stops, tok))
+
+
+@v1.post("/messages/count_tokens")
+async def count_tokens(request: Request):
+    s = served(request)
+    data = await read_json(request, s.max_request_bytes)
+    req = protocol.read_chat(anthropic.translate(data, count_only=True), s.model_id)
+    return {"input_tokens": len(await run_in_threadpool(s.chat_ids, req.messages, req.tools))}
 
 
 def _session_reading(s, reads) -> dict | None:

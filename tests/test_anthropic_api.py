@@ -1,0 +1,172 @@
+"""Anthropic's Messages API (turbo/serve/anthropic.py) driven by the official ``anthropic`` client against the
+float32 SmolLM2: text equal to the chat completion of the same conversation, streaming equal to non-streaming, a
+``tool_use`` → ``tool_result`` round trip, stop sequences, token counting, keys sent as ``x-api-key``, and the 400s
+(in Anthropic's error shape) for bad bodies, a mismatched ``tool_result`` id first."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from turbo import Engine, EngineConfig
+from turbo.serve import anthropic as messages_api
+from turbo.serve.app import create_app
+from turbo.http_errors import APIError
+
+from conftest import serve_in_thread
+
+MODEL = "smol"
+WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                            "required": ["city"]}}
+GREEDY = {"temperature": 0}  # the client has no sampling arguments any more; the API still reads them
+PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path):
+    """Base url of a server over the float32 SmolLM2 with the key "k1"; stopped at the end."""
+    engine = Engine(smollm2_path, EngineConfig(dtype="float32", max_kv_tokens=2048, block_size=16, max_batch_size=4))
+    url, stop = serve_in_thread(create_app(engine, model_name=MODEL, api_keys="k1"))
+    yield url
+    stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return anthropic.Anthropic(base_url=served, api_key="k1", max_retries=0, timeout=120)
+
+
+def test_text_reply_equals_chat_completion(served, client):
+    msg = client.messages.create(model=MODEL, max_tokens=20, extra_body=GREEDY, system="Answer briefly.",
+                                 messages=[{"role": "user", "content": "Name a color."}])
+    oa = openai.OpenAI(base_url=f"{served}/v1", api_key="k1", max_retries=0)
+    ref = oa.chat.completions.create(model=MODEL, max_tokens=20, extra_body=GREEDY, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a color."}])
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert [b.type for b in msg.content] == ["text"]
+    assert msg.content[0].text == ref.choices[0].message.content and msg.content[0].text
+    want = {"stop": "end_turn", "length": "max_tokens"}[ref.choices[0].finish_reason]
+    assert msg.stop_reason == want and msg.stop_sequence is None
+    u = msg.usage
+    assert u.output_tokens == ref.usage.completion_tokens
+    assert u.input_tokens + u.cache_read_input_tokens == ref.usage.prompt_tokens
+
+
+def test_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=[{"role": "user", "content": "Say hello."}])
+    whole = client.messages.create(**kw)
+    kinds = []
+    with client.messages.stream(**kw) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_message()
+    assert final.content[0].text == whole.content[0].text
+    assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "content_block_stop" in kinds and "message_delta" in kinds
+
+
+def test_tool_use_round_trip(client):
+    kw = dict(model=MODEL, max_tokens=60, extra_body=GREEDY, tools=[WEATHER])
+    first = client.messages.create(messages=PARIS, tool_choice={"type": "any"}, **kw)
+    assert first.stop_reason == "tool_use"
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert uses and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+    # the streamed reply carries the same call (its input as one input_json_delta)
+    with client.messages.stream(messages=PARIS, tool_choice={"type": "any"}, **kw) as stream:
+        streamed = stream.get_final_message()
+    s_uses = [b for b in streamed.content if b.type == "tool_use"]
+    assert [(b.name, b.input) for b in s_uses] == [(b.name, b.input) for b in uses]
+    assert streamed.stop_reason == "tool_use"
+    history = PARIS + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                     "content": "18 C and sunny"}]}]
+    second = client.messages.create(messages=history, tool_choice={"type": "none"}, **kw)
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in second.content] == ["text"] and second.content[0].text
+
+
+def test_named_tool_and_no_parallel(client):
+    msg = client.messages.create(model=MODEL, max_tokens=60, extra_body=GREEDY, messages=PARIS, tools=[WEATHER],
+                                 tool_choice={"type": "tool", "name": "get_weather",
+                                              "disable_parallel_tool_use": True})
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather" and msg.stop_reason == "tool_use"
+
+
+def test_stop_sequence_is_named(client):
+    free = client.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY,
+                                  messages=[{"role": "user", "content": "Count from 1 to 9 with spaces."}])
+    text = free.content[0].text
+    assert len(text) > 4
+    stop = text[2:4]
+    cut = client.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, stop_sequences=["zzzq", stop],
+                                 messages=[{"role": "user", "content": "Count from 1 to 9 with spaces."}])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[:text.index(stop)]
+
+
+def test_count_tokens(served, client):
+    n = client.messages.count_tokens(model=MODEL, messages=PARIS).input_tokens
+    msg = client.messages.create(model=MODEL, max_tokens=1, messages=PARIS)
+    assert n == msg.usage.input_tokens + msg.usage.cache_read_input_tokens > 5
+
+
+def test_errors_in_anthropic_shape(served, client):
+    bad_id = PARIS + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "18"}]}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, max_tokens=8, messages=bad_id, tools=[WEATHER])
+    assert e.value.status_code == 400
+    body = e.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "messages[2].content[0].tool_use_id" in body["error"]["message"] and "toolu_1" in body["error"]["message"]
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=served, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=4, messages=PARIS)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-nope", max_tokens=4, messages=PARIS)
+    r = httpx.post(f"{served}/v1/messages", headers={"x-api-key": "k1"},
+                   json={"model": MODEL, "messages": PARIS})  # no max_tokens
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "top-level 'system'"),
+    ({"messages": PARIS, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "'thinking'"),
+    ({"messages": PARIS, "temperature": 1.5}, "[0, 1]"),
+    ({"messages": PARIS, "tools": [{"name": "f"}]}, "input_schema"),
+    ({"messages": PARIS, "tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice"),
+    ({"messages": PARIS, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
+    ({"messages": PARIS, "stop_sequences": [""]}, "stop_sequences"),
+    ({"messages": PARIS, "frobnicate": 1}, "'frobnicate'"),
+    ({"messages": PARIS, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+    ({"messages": PARIS + [{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "get_weather",
+                                                              "input": {}}, {"type": "tool_use", "id": "b",
+                                                              "name": "get_weather", "input": {}}]},
+                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": "1"}]}],
+      "tools": [WEATHER]}, "not b"),
+])
+def test_bad_bodies_name_the_field(body, needle):
+    with pytest.raises(APIError) as e:
+        messages_api.read_request({"model": MODEL, "max_tokens": 8, **body}, MODEL)
+    assert e.value.status == 400 and needle in e.value.message, e.value.message
+
+
+def test_output_config_format_gives_valid_json(client):
+    pet = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
+    msg = client.messages.create(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "A pet as JSON."}],
+                                 output_config={"format": {"type": "json_schema", "schema": pet}},
+                                 extra_body={"temperature": 0.7})
+    assert msg.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(msg.content[0].text), pet)
