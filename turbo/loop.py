@@ -193,7 +193,7 @@ class EngineLoop:
                 raise
             return handles
 
-    def submit_chat(self, session: Session, message: str, gen: GenerationConfig | None = None,
+    def submit_chat(self, session: Session, message: str | list[dict], gen: GenerationConfig | None = None,
                     priority: int = 0, on_end=None, sink=None, tools: list[dict] | None = None,
                     tool_call_id: str | None = None, keep_partial: bool = False,
                     read: dict | None = None) -> RequestHandle:
@@ -201,8 +201,8 @@ class EngineLoop:
         failed, as :meth:`Session.end_turn` does), then ``on_end()`` runs on the loop thread (e.g. saving the
         session). Raises ``Conflict`` while the session generates. ``sink``: as for :meth:`submit`. ``tools``,
         ``tool_call_id``, ``keep_partial``: see :meth:`Session.chat`; ``read``: see :meth:`Session.begin_turn`."""
-        if not isinstance(message, str) or not message.strip():
-            raise InvalidRequest("the message must be a non-empty str")
+        if not (isinstance(message, str) and message.strip()) and not (isinstance(message, list) and message):
+            raise InvalidRequest("the message must be a non-empty str (or a non-empty list of messages)")
         self._check_capacity()
         with _typed():
             req, messages = session.begin_turn(message, gen or GenerationConfig(), priority, tools, tool_call_id,

@@ -106,13 +106,14 @@ class Session:
         finally:
             self.end_turn(req, messages, out, pieces)
 
-    def begin_turn(self, message: str, gen: GenerationConfig, priority: int = 0, tools: list[dict] | None = None,
+    def begin_turn(self, message: str | list[dict], gen: GenerationConfig, priority: int = 0, tools: list[dict] | None = None,
                    tool_call_id: str | None = None, keep_partial: bool = False,
                    read: dict | None = None) -> tuple[Request, list[dict]]:
         """Mark the session busy and queue its next turn: the request and the conversation it answers. Whoever drives
         the request (this session's stream, or :class:`turbo.loop.EngineLoop`) must call :meth:`end_turn` after.
         ``tools`` / ``tool_call_id`` / ``keep_partial``: see :meth:`chat` (the tools are kept once the turn is
-        recorded). ``read`` (:func:`turbo.tool_parsers.reading`): read the reply for calls and keep them as a
+        recorded). ``message`` may also be a list of messages, appended together before the reply (see
+        :meth:`_new_messages`; the Responses API's input items). ``read`` (:func:`turbo.tool_parsers.reading`): read the reply for calls and keep them as a
         structured assistant turn (the HTTP front passes the parser, ``max_calls`` and call-id prefix it answers
         with, so the ids it sent are the ids kept); ``None``: the reply is kept as text. Raises ``Conflict`` for a
         busy session, ``InvalidRequest`` for a closed one, bad tools, a ``tool_call_id`` that answers no open call
@@ -127,13 +128,16 @@ class Session:
             if self.closed:
                 raise InvalidRequest("this session is closed; open a new one with engine.session()")
             self._check_idle()
-            if tool_call_id is not None:
-                self._check_tool_call_id(tool_call_id)
+            if isinstance(message, list):
+                new = self._new_messages(message, tool_call_id)
+            else:
+                if tool_call_id is not None:
+                    self._check_tool_call_id(tool_call_id)
+                new = [{"role": "user", "content": message} if tool_call_id is None else
+                       {"role": "tool", "content": message, "tool_call_id": tool_call_id}]
             self.busy = True
         try:
-            new = {"role": "user", "content": message} if tool_call_id is None else \
-                {"role": "tool", "content": message, "tool_call_id": tool_call_id}
-            messages = self.messages + [new]
+            messages = self.messages + new
             self._turn_tools = self.tools if tools is None else (tools or None)
             self._turn_reading = read
             self._keep_partial, self._before = bool(keep_partial), list(self.seq.token_ids)
@@ -159,6 +163,34 @@ class Session:
             elif m["role"] == "assistant" and m.get("tool_calls"):
                 return [c["id"] for c in m["tool_calls"] if c["id"] not in answered]
         return []
+
+    def _new_messages(self, items: list, tool_call_id: str | None) -> list[dict]:
+        """A turn of several messages (e.g. the Responses API's input items): user messages, assistant messages
+        (``tool_calls`` with ``arguments`` as dicts) and tool results, the last one the user's or a tool's; each tool
+        message must answer a call still open at its place (InvalidRequest naming it otherwise)."""
+        if tool_call_id is not None:
+            raise InvalidRequest("tool_call_id goes with a single message; in a list each tool message carries its own")
+        if not items:
+            raise InvalidRequest("the turn's list of messages is empty")
+        open_, out = self.open_tool_calls(), []
+        for i, m in enumerate(items):
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in ("user", "assistant", "tool") or not isinstance(m.get("content"), str):
+                raise InvalidRequest(f"the turn's message {i} must be a user, assistant or tool message with text "
+                                     f"content")
+            if role == "tool":
+                if m.get("tool_call_id") not in open_:
+                    made = f"the calls waiting are {', '.join(open_)}" if open_ else "no call waits for a result"
+                    raise InvalidRequest(f"the turn's message {i} answers tool_call_id "
+                                         f"{json.dumps(m.get('tool_call_id'))[:80]}, which no open call has ({made})")
+                open_.remove(m["tool_call_id"])
+            else:
+                open_ = [c["id"] for c in m.get("tool_calls") or ()] if role == "assistant" else []
+            out.append(dict(m))
+        if out[-1]["role"] == "assistant":
+            raise InvalidRequest("the turn's last message is the assistant's: end with the user's message or a "
+                                 "tool's result, the reply comes after it")
+        return out
 
     def _check_tool_call_id(self, tool_call_id: str) -> None:
         open_ = self.open_tool_calls()

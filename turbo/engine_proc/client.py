@@ -49,7 +49,7 @@ class EngineClient(Protocol):
     def submit_many(self, prompt: str | list[int], gens: list[GenerationConfig]) -> list[RequestHandle]:
         """Queue one prompt once per config, all before the engine's next step (a request's ``n`` choices)."""
 
-    def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False,
+    def submit_chat(self, sid: str, message: str | list[dict], gen: GenerationConfig, persist: bool = False,
                     tools: list[dict] | None = None, tool_call_id: str | None = None,
                     keep_partial: bool = False, read: dict | None = None) -> RequestHandle:
         """Queue session ``sid``'s next turn (saved under the session dir when it ends if ``persist``; ``tools``,

@@ -44,7 +44,7 @@ class InprocClient:
         """Queue one prompt once per config, all before the next step (see :meth:`turbo.loop.EngineLoop.submit_many`)."""
         return self.loop.submit_many(prompt, gens)
 
-    def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False,
+    def submit_chat(self, sid: str, message: str | list[dict], gen: GenerationConfig, persist: bool = False,
                     tools: list[dict] | None = None, tool_call_id: str | None = None,
                     keep_partial: bool = False, read: dict | None = None) -> RequestHandle:
         """Queue session ``sid``'s next turn (saved under the session dir when it ends if ``persist``; ``tools``,

@@ -84,7 +84,7 @@ class Chat:
 
     rid: int
     session_id: str
-    message: str
+    message: str | list[dict]  # the user's text, a tool result, or several messages (Session.begin_turn)
     gen: Any
     persist: bool = False
     tools: list[dict] | None = None

@@ -231,7 +231,7 @@ class MPClient:
             raise
         return handles
 
-    def submit_chat(self, sid: str, message: str, gen: GenerationConfig, persist: bool = False,
+    def submit_chat(self, sid: str, message: str | list[dict], gen: GenerationConfig, persist: bool = False,
                     tools: list[dict] | None = None, tool_call_id: str | None = None,
                     keep_partial: bool = False, read: dict | None = None) -> RemoteHandle:
         """Queue session ``sid``'s next turn (see :meth:`~turbo.engine_proc.client.EngineClient.submit_chat`)."""

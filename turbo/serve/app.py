@@ -11,6 +11,8 @@ uvicorn (``liteturbo serve``). Endpoints (see docs/serving.md for every field):
   server-sent events in OpenAI's chunk shapes (ending with ``data: [DONE]``) or not; a field the server cannot
   honour (``audio``, ``echo``, ``best_of`` > 1, several prompts, ...) or does not know is refused with a 400 naming
   it, never ignored;
+- ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``: OpenAI's Responses API, its stored responses
+  continued as session turns (:mod:`turbo.serve.responses_api`);
 - ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic's Messages API (:mod:`turbo.serve.anthropic`;
   errors on these paths in Anthropic's shape, keys also as ``x-api-key``);
 - ``POST /v1/sessions``, ``POST /v1/sessions/{id}/chat``, ``GET`` / ``DELETE /v1/sessions/{id}``: chats whose KV
@@ -69,12 +71,13 @@ from ..engine_proc.client import EngineClient
 from ..engine_proc.inproc import InprocClient
 from ..engine_proc.mp_client import MPClient
 from ..http_errors import APIError
-from . import anthropic, protocol
+from . import anthropic, protocol, responses_api
 from .answer import respond, submit_choices, wait_all
 from .logprobs import Logprobs, Tokens
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import MAX_LOGPROBS, gen_config, is_int, read_json
 from .responses import Job, engine_error, usage
+from .response_store import ResponseStore
 from ..engine_proc.sessions import SessionRegistry
 from .tools import ToolParser, ToolRequest, call_grammar, choose_parser, render_prompt
 
@@ -102,6 +105,7 @@ class Served:
     persist: bool = False  # save sessions under the session dir after every turn
     tool_parser: ToolParser | None = None  # the model's tool-call format (turbo/serve/tools.py)
     base: dict = field(default_factory=dict)  # the server's sampling defaults under every request's (--speculative)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
 
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "liteturbo",
@@ -190,7 +194,8 @@ async def _http_error(request: Request, e: StarletteHTTPException):
             return await _api_error(request, auth)
     if e.status_code == 404:
         msg = (f"no endpoint {request.method} {request.url.path}; the endpoints are /, /health, /metrics, "
-               f"/v1/models, /v1/chat/completions, /v1/completions, /v1/messages, /v1/sessions (docs/serving.md)")
+               f"/v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/sessions "
+               f"(docs/serving.md)")
     elif e.status_code == 405:
         msg = f"{request.method} is not allowed on {request.url.path}"
     else:
@@ -311,6 +316,53 @@ async def count_tokens(request: Request):
     return {"input_tokens": len(await run_in_threadpool(s.chat_ids, req.messages, req.tools))}
 
 
+@v1.post("/responses")
+async def create_response(request: Request):
+    s = served(request)
+    r = await run_in_threadpool(responses_api.read_request, await read_json(request, s.max_request_bytes),
+                                s.model_id, s.responses)
+    chat = r.chat
+    reads = chat.tools if chat.tools is not None and chat.tools.parses else None
+    job = Job("chat", s.model_id, chat.stream, tools=reads, tool_parser=s.tool_parser if reads else None)
+    gen = s.gen(chat.sampling, s.tool_constraint(chat.tools, chat.sampling))
+    answer = responses_api.Answer(r, job, s.model_id)
+    if r.store:
+        read = _session_reading(s, reads)
+        job.call_id_prefix = read and read["call_id_prefix"]
+        handle, answer.session_id = await run_in_threadpool(responses_api.submit, s.client, r, gen, s.persist, read)
+    else:
+        ids = await run_in_threadpool(s.chat_ids, chat.messages, chat.tools)
+        handle = await run_in_threadpool(s.client.submit, ids, gen)
+    if chat.stream:
+        return responses_api.event_stream(answer, handle, s.responses)
+    outs = await wait_all(request, [handle], job)
+    if outs is None:
+        return Response(status_code=499)  # nobody is listening any more
+    body, message = answer.body(outs[0])
+    await run_in_threadpool(answer.record, s.responses, body, message)
+    return JSONResponse(body)
+
+
+def _stored(s: Served, rid: str):
+    r = s.responses.get(rid)
+    if r is None:
+        raise APIError(404, f"no stored response {rid!r}", param="response_id", code="response_not_found")
+    return r
+
+
+@v1.get("/responses/{rid}")
+async def get_response(rid: str, request: Request):
+    return _stored(served(request), rid).body
+
+
+@v1.delete("/responses/{rid}")
+async def delete_response(rid: str, request: Request):
+    s = served(request)
+    _stored(s, rid)
+    await run_in_threadpool(s.responses.delete, rid)
+    return {"id": rid, "object": "response", "deleted": True}
+
+
 def _session_reading(s, reads) -> dict | None:
     """How a session turn's reply is read for calls (:func:`turbo.tool_parsers.reading`), when the request reads
     them: the session keeps the calls with the ids this front sends (same parser, ``max_calls`` and id prefix)."""
@@ -408,7 +460,8 @@ def _inproc_client(engine: Engine, loop: EngineLoop | None, sessions: SessionReg
 def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_name: str | None = None,
                api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20,
                sessions: SessionRegistry | None = None, session_dir: bool | None = None,
-               tool_call_parser: str | None = None, speculative: int = 0) -> FastAPI:
+               tool_call_parser: str | None = None, speculative: int = 0,
+               response_dir: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``: an :class:`Engine` in this process, or an
     :class:`~turbo.engine_proc.mp_client.MPClient` of an engine process (then ``loop`` and ``sessions`` must be None and
     the app closes the client when it shuts down).
@@ -424,8 +477,9 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     the registry has a session dir; an MPClient's engine process saves when this is true). tool_call_parser: the
     format tool calls are read in (:data:`turbo.serve.tools.PARSERS`; default: the one the chat template writes,
     else ``hermes``, see :func:`turbo.serve.tools.choose_parser`). speculative: the default of the requests'
-    ``speculative`` (prompt-lookup draft tokens per step; greedy requests only; 0: off). Raises ``LiteturboError`` for
-    bad arguments.
+    ``speculative`` (prompt-lookup draft tokens per step; greedy requests only; 0: off). response_dir: where the
+    Responses API keeps stored responses (``<dir>/.responses/``; default: the in-process registry's session dir;
+    ``None`` there: in memory only). Raises ``LiteturboError`` for bad arguments.
     """
     if not is_int(max_request_bytes) or max_request_bytes < 1:
         raise LiteturboError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
@@ -437,13 +491,14 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     else:
         client, owned = _inproc_client(engine, loop, sessions), loop is None
         session_dir = client.sessions.session_dir is not None if session_dir is None else session_dir
+        response_dir = client.sessions.session_dir if response_dir is None else response_dir
     metrics = ServerMetrics(client, sessions=client.num_sessions)
     client.observers.append(metrics.observe)
     chat_page = (resources.files(__package__) / "static" / "chat.html").read_text(encoding="utf-8")
     s = Served(client, model_name or client.path.name, keys, max_request_bytes, owned, metrics, chat_page,
                Tokens(client.tokenizer), persist=bool(session_dir),
                tool_parser=ToolParser(choose_parser(client.tokenizer, tool_call_parser)),
-               base={"speculative": speculative} if speculative else {})
+               base={"speculative": speculative} if speculative else {}, responses=ResponseStore(response_dir))
     s.gen({})  # a bad default fails here, at start-up
     app = FastAPI(title="liteturbo", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -491,7 +546,7 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
             print(f"[liteturbo] restored {client.restored} session(s) from {session_dir}", file=sys.stderr)
         app = create_app(client, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
                          session_dir=session_dir is not None, tool_call_parser=tool_call_parser,
-                         speculative=speculative)
+                         speculative=speculative, response_dir=session_dir)
     else:
         engine = Engine(model, **engine_options)
         app = create_app(engine, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,

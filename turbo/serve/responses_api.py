@@ -1,0 +1,444 @@
+"""OpenAI's Responses API on sessions: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+
+A request is translated into the chat it means (:func:`read_request`): ``input`` (text, or items: messages with
+``input_text`` / ``output_text`` parts, ``function_call`` and ``function_call_output`` items) after the stored
+conversation of ``previous_response_id``, ``instructions`` as the system message (not carried over from the previous
+response, as OpenAI does), ``tools`` (function tools, flat), ``tool_choice``, ``text.format`` (``json_schema`` /
+``json_object``), ``max_output_tokens`` and the sampling fields; the whole conversation is then checked by
+:func:`turbo.serve.protocol.read_chat` (the same checks and limits as ``/v1/chat/completions``).
+
+What makes ``previous_response_id`` fast: a stored response (``store``, the default) lives in a session
+(:class:`~turbo.engine_proc.sessions.SessionRegistry`), and a response that continues the latest response of its
+session is that session's next turn (:func:`submit`): only the new items are prefilled, the history's KV is the
+session's (``usage.input_tokens_details.cached_tokens`` ≈ the history), and with ``--session-dir`` it survives a
+restart (sessions are saved after every turn; the responses under the session dir, :mod:`turbo.serve.response_store`).
+A response that continues an older one (a branch), whose session expired, or whose ``instructions`` differ starts
+a session of its own with the stored conversation (its KV from the prefix cache where the blocks are still there).
+``store: false`` runs as a plain chat and keeps nothing.
+
+The answer is a ``response`` object (:meth:`Answer.body`: ``message`` items with ``output_text`` and
+``function_call`` items whose ``call_id`` a ``function_call_output`` answers; ``status`` ``incomplete`` with
+``incomplete_details.reason`` ``max_output_tokens`` when the limit cut it), or its typed server-sent events
+(:func:`event_stream`: ``response.created``, ``response.in_progress``, ``response.output_item.added``,
+``response.content_part.added``, ``response.output_text.delta`` / ``.done``, ``response.content_part.done``,
+``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``, then ``response.completed``
+or ``response.incomplete``; an error after the stream began is one ``error`` event), each with its
+``sequence_number``. Fields the server cannot honour (built-in tools, ``reasoning``, ``background``, ``include``,
+``conversation``, image and file inputs, ...) are refused with a 400 naming them.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from ..errors import NotFound
+from ..http_errors import APIError
+from . import protocol
+from .response_store import ResponseStore, StoredResponse
+from .responses import EventStream, Job, cancelled_error, engine_error
+
+_REFUSED = {  # field -> (harmless value test, why)
+    "background": (lambda v: v is False, "background responses are not implemented; wait for the answer or stream it"),
+    "conversation": (lambda v: False, "conversations objects are not implemented; chain with previous_response_id"),
+    "include": (lambda v: v == [], "no extra output data is available"),
+    "reasoning": (lambda v: v == {} or all(x is None for x in v.values()) if isinstance(v, dict) else False,
+                  "this model has no reasoning format"),
+    "prompt": (lambda v: False, "stored prompt templates are not implemented; send the input"),
+    "max_tool_calls": (lambda v: False, "not implemented; use parallel_tool_calls: false for one call"),
+    "top_logprobs": (lambda v: v == 0, "log-probabilities are on /v1/chat/completions"),
+    "truncation": (lambda v: v == "disabled", "only \"disabled\": a conversation longer than the context is refused"),
+}
+_IGNORED = ("prompt_cache_key", "prompt_cache_retention", "safety_identifier", "service_tier", "stream_options")
+
+
+def _bad(param: str, what: str) -> APIError:
+    return APIError(400, what, param=param)
+
+
+def _text(content: Any, where: str, kinds: tuple[str, ...]) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad("input", f"{where} must be a string or a list of text parts")
+    texts = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind not in kinds or not isinstance(p.get("text"), str):
+            raise _bad("input", f"{where}[{j}] is {json.dumps(kind)[:40]}: this server reads text parts "
+                                f"({' / '.join(kinds)}); images, files and audio are not supported")
+        texts.append(p["text"])
+    return "\n".join(texts)
+
+
+def _items(raw: Any, continuing: bool) -> list[dict]:
+    """``input`` as chat messages in the request's shape (``arguments`` as JSON text)."""
+    if isinstance(raw, str):
+        if not raw.strip():
+            raise _bad("input", "'input' is empty: send the user's text or a list of items")
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise _bad("input", "'input' must be a string or a non-empty list of items (messages, function_call, "
+                            "function_call_output)")
+    out: list[dict] = []
+    for i, it in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise _bad("input", f"{where} must be an item object")
+        kind = it.get("type", "message" if "role" in it else None)
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _bad("input", f"{where}.role {json.dumps(role)[:40]} must be user, assistant, system or developer")
+            if role in ("system", "developer"):
+                if continuing or any(m["role"] != "system" for m in out):
+                    raise _bad("input", f"{where} is a {role} message after the conversation began: give it as "
+                                        f"'instructions' (or first, in a conversation without previous_response_id)")
+                role = "system"
+            kinds = ("output_text", "refusal") if role == "assistant" else ("input_text", "text")
+            out.append({"role": role, "content": _text(it.get("content"), f"{where}.content", kinds)})
+        elif kind == "function_call":
+            if not all(isinstance(it.get(k), str) and it.get(k) for k in ("call_id", "name")) or \
+                    not isinstance(it.get("arguments"), str):
+                raise _bad("input", f"{where} (function_call) needs call_id, name and arguments (JSON text)")
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": it["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and (out[-1].get("tool_calls") or out[-1]["content"]) \
+                    and (i > 0 and raw[i - 1].get("type", "message") in ("message", "function_call")):
+                out[-1].setdefault("tool_calls", []).append(call)  # the same reply: its text, then its calls
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(it.get("call_id"), str) or not it["call_id"]:
+                raise _bad("input", f"{where} (function_call_output) needs the call_id of the call it answers")
+            out.append({"role": "tool", "tool_call_id": it["call_id"],
+                        "content": _text(it.get("output"), f"{where}.output", ("input_text", "output_text"))})
+        else:
+            raise _bad("input", f"{where} has type {json.dumps(kind)[:40]}: this server reads message, function_call "
+                                f"and function_call_output items")
+    if out[-1]["role"] not in ("user", "tool"):
+        raise _bad("input", "the last input item must be the user's message or a function_call_output: the reply "
+                            "comes after it")
+    return out
+
+
+def _tools(raw: Any) -> list[dict] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise _bad("tools", "'tools' must be a list of function tools {\"type\": \"function\", \"name\", "
+                            "\"parameters\"}")
+    out = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise _bad("tools", f"tools[{i}] has type {json.dumps(kind)[:40]}: this server runs function tools only "
+                                f"(no built-in web search, file search, code interpreter or MCP)")
+        extra = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
+        if extra:
+            raise _bad("tools", f"tools[{i}] has unsupported field {extra[0]!r}")
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                                     if t.get(k) is not None}})
+    return out
+
+
+def _tool_choice(c: Any) -> Any:
+    if c is None or c in ("auto", "none", "required"):
+        return c
+    if isinstance(c, dict) and c.get("type") == "function" and set(c) == {"type", "name"}:
+        return {"type": "function", "function": {"name": c["name"]}}
+    raise _bad("tool_choice", f"'tool_choice' must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                              f"\"name\": ...}}, got {json.dumps(c)[:80]}")
+
+
+def _format(text: Any) -> tuple[dict | None, dict]:
+    """(the chat request's response_format, the response's ``text`` echo) of ``text``."""
+    if text is None:
+        return None, {"format": {"type": "text"}}
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise _bad("text", "'text' must be {\"format\": {...}}")
+    if text.get("verbosity") not in (None, "medium"):
+        raise _bad("text", "'text.verbosity' is not supported (only \"medium\")")
+    fmt = text.get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None, {"format": fmt}
+    if kind == "json_object":
+        return {"type": "json_object"}, {"format": fmt}
+    if kind == "json_schema" and isinstance(fmt.get("schema"), dict):
+        extra = sorted(set(fmt) - {"type", "name", "schema", "strict", "description"})
+        if extra:
+            raise _bad("text", f"'text.format' has unsupported field {extra[0]!r}")
+        spec = {"name": fmt.get("name") or "output", "schema": fmt["schema"]}
+        if fmt.get("strict") is not None:
+            spec["strict"] = fmt["strict"]
+        return {"type": "json_schema", "json_schema": spec}, {"format": fmt}
+    raise _bad("text", "'text.format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                       "\"json_schema\", \"name\": ..., \"schema\": {...}}")
+
+
+@dataclass
+class ResponsesRequest:
+    """A checked ``POST /v1/responses``: ``chat`` (the whole conversation as a checked chat request), ``prefix``
+    (how many of its messages came before this request: the previous response's conversation, or the system message),
+    ``messages`` (the conversation in the request's shape), ``previous`` (the stored response it continues), ``store``
+    and ``echo`` (the request fields the response object repeats)."""
+
+    chat: protocol.ChatRequest
+    prefix: int
+    messages: list[dict]
+    system: str | None
+    previous: StoredResponse | None
+    store: bool
+    echo: dict = field(default_factory=dict)
+
+
+def read_request(data: dict, model_id: str, store: ResponseStore) -> ResponsesRequest:
+    """A ``POST /v1/responses`` body (400 naming the field; 404 for an unknown ``previous_response_id``)."""
+    data = dict(data)
+    for name, (harmless, why) in _REFUSED.items():
+        v = data.pop(name, None)
+        if v is not None and not harmless(v):
+            raise APIError(400, f"'{name}' is not supported by this server: {why}", param=name,
+                           code="unsupported_field")
+    for name in _IGNORED:
+        data.pop(name, None)
+    keep = data.pop("store", True)
+    if not isinstance(keep, bool):
+        raise _bad("store", "'store' must be true or false")
+    prev_id = data.pop("previous_response_id", None)
+    previous = None
+    if prev_id is not None:
+        previous = store.get(prev_id)
+        if previous is None:
+            raise APIError(404, f"no stored response {json.dumps(prev_id)[:80]}: it was never stored (store: false), "
+                                f"was deleted, or belongs to another server", param="previous_response_id",
+                           code="response_not_found")
+    system = data.pop("instructions", None)
+    if system is not None and not isinstance(system, str):
+        raise _bad("instructions", "'instructions' must be a string")
+    meta = data.pop("metadata", None)
+    if meta is not None and (not isinstance(meta, dict) or len(meta) > 16 or
+                             not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+        raise _bad("metadata", "'metadata' must be an object of at most 16 string values")
+    history = [m for m in previous.messages if m["role"] != "system"] if previous else []
+    head = [{"role": "system", "content": system}] if system is not None else []
+    new = _items(data.pop("input", None), continuing=previous is not None)
+    if new[0]["role"] == "system" and head:
+        raise _bad("input", "give the system prompt once: as 'instructions' or as the first input message")
+    messages = head + history + new
+    body: dict[str, Any] = {"messages": messages}
+    fmt, text_echo = _format(data.pop("text", None))
+    if fmt is not None:
+        body["response_format"] = fmt
+    tools = _tools(data.pop("tools", None))
+    if tools:
+        body["tools"] = tools
+    choice = _tool_choice(data.pop("tool_choice", None))
+    if choice is not None and (tools or choice != "none"):
+        body["tool_choice"] = choice
+    if "max_output_tokens" in data:
+        body["max_tokens"] = data.pop("max_output_tokens")
+    for name in ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "user"):
+        if name in data:
+            body[name] = data.pop(name)
+    if data:
+        unknown = sorted(data)
+        raise APIError(400, f"unrecognized field{'s' if len(unknown) > 1 else ''} "
+                            f"{', '.join(repr(u) for u in unknown)} in a responses request (docs/serving.md, "
+                            f"\"Responses\")", param=unknown[0], code="unsupported_field")
+    chat = protocol.read_chat(body, model_id)
+    echo = {"instructions": system, "metadata": meta or {}, "previous_response_id": prev_id, "store": keep,
+            "text": text_echo, "tools": [dict(type="function", **t["function"]) for t in tools or []],
+            "tool_choice": choice or "auto", "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "max_output_tokens": body.get("max_tokens"), "truncation": "disabled",
+            "reasoning": {"effort": None, "summary": None}, "user": body.get("user")}
+    if chat.n != 1:
+        raise _bad("n", "'n' is not a responses field")
+    if system is None and new[0]["role"] == "system":  # the first input item was the system prompt
+        system = new[0]["content"]
+    return ResponsesRequest(chat, len(head) + len(history), messages, system, previous, keep, echo)
+
+
+# --- the session a response runs in ---------------------------------------------------------------------------------
+
+_HEAD = threading.Lock()  # one head check + turn submission at a time, so two continuations cannot both extend it
+
+
+def submit(client, r: ResponsesRequest, gen, persist: bool, read: dict | None):
+    """Queue a stored response (``store: true``) on the engine as a session turn; returns ``(handle, session id)``.
+    When its previous response is its session's latest turn (and the instructions are the same) it is that session's
+    next turn; otherwise it starts a session with the whole conversation. (``store: false`` is a plain request of the
+    rendered chat: the route's.)"""
+    chat = r.chat
+    tools = chat.tools.openai() if chat.tools else None
+    with _HEAD:
+        prev = r.previous
+        if prev is not None and prev.session_id is not None and prev.system == r.system:
+            try:
+                info = client.session_info(prev.session_id)
+            except NotFound:
+                info = None
+            if info is not None and not info["busy"] and len(info["messages"]) == len(prev.messages):
+                handle = client.submit_chat(prev.session_id, chat.messages[r.prefix:], gen, persist, tools, None,
+                                            False, read)
+                return handle, prev.session_id
+        sid = client.session_create(r.system)
+        start = 1 if r.system is not None else 0
+        try:
+            handle = client.submit_chat(sid, chat.messages[start:], gen, persist, tools, None, False, read)
+        except BaseException:
+            client.session_delete(sid)
+            raise
+        return handle, sid
+
+
+# --- the answer ------------------------------------------------------------------------------------------------------
+
+def _usage(out) -> dict:
+    n = len(out.token_ids)
+    return {"input_tokens": out.prompt_tokens, "input_tokens_details": {"cached_tokens": out.cached_tokens},
+            "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": out.prompt_tokens + n}
+
+
+class Answer:
+    """One response being answered: its id, the request, its job (how the reply is read) and its session."""
+
+    def __init__(self, r: ResponsesRequest, job: Job, model: str) -> None:
+        self.r, self.job, self.model = r, job, model
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.session_id: str | None = None
+        self.msg_id, self.fc_ids = f"msg_{uuid.uuid4().hex}", {}
+
+    def fc_id(self, call_id: str) -> str:
+        return self.fc_ids.setdefault(call_id, f"fc_{uuid.uuid4().hex}")
+
+    def base(self, status: str, output: list, usage: dict | None, incomplete: bool = False) -> dict:
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "model": self.model,
+                "output": output, "usage": usage, **self.r.echo}
+
+    def text_item(self, text: str, status: str) -> dict:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    def call_item(self, call: dict, status: str = "completed") -> dict:
+        return {"type": "function_call", "id": self.fc_id(call["id"]), "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+    def body(self, out) -> tuple[dict, dict]:
+        """(the response object of a finished reply, the assistant message it adds to the conversation)."""
+        message, _ = self.job.message(out)
+        cut = out.finish_reason == "length"
+        status = "incomplete" if cut else "completed"
+        output = [self.text_item(message["content"], status)] if message["content"] else []
+        output += [self.call_item(c) for c in message.get("tool_calls") or ()]
+        return self.base(status, output, _usage(out), incomplete=cut), message
+
+    def record(self, store: ResponseStore, body: dict, message: dict) -> None:
+        """Store the answered response (``store: true``): its object and the conversation after it."""
+        if self.r.store:
+            store.put(self.id, StoredResponse(body, self.r.messages + [message], self.session_id, self.r.system))
+
+
+def _event(seq: list[int], kind: str, **data) -> str:
+    seq[0] += 1
+    return f"event: {kind}\ndata: {json.dumps(dict(type=kind, sequence_number=seq[0] - 1, **data), ensure_ascii=False)}\n\n"
+
+
+async def _events(a: Answer, handle, store: ResponseStore) -> AsyncIterator[str]:
+    job, seq = a.job, [0]
+    reader = job.tool_parser.streamer(job.tools.max_calls, job.call_id_prefix) if job.tool_parser is not None else None
+    text, index, open_text, stopped = [], 0, False, False
+    calls: dict[int, dict] = {}  # the reply's calls by their index in the reply: {"call", "output_index"}
+    try:
+        yield _event(seq, "response.created", response=a.base("in_progress", [], None))
+        yield _event(seq, "response.in_progress", response=a.base("in_progress", [], None))
+
+        def close_text() -> list[str]:
+            nonlocal open_text, index
+            if not open_text:
+                return []
+            t = "".join(text)
+            part = {"type": "output_text", "text": t, "annotations": [], "logprobs": []}
+            ev = [_event(seq, "response.output_text.done", item_id=a.msg_id, output_index=index, content_index=0,
+                         text=t, logprobs=[]),
+                  _event(seq, "response.content_part.done", item_id=a.msg_id, output_index=index, content_index=0,
+                         part=part),
+                  _event(seq, "response.output_item.done", output_index=index, item=a.text_item(t, "completed"))]
+            open_text, index = False, index + 1
+            return ev
+
+        def items(deltas: list[dict]) -> list[str]:
+            nonlocal open_text
+            ev: list[str] = []
+            for d in deltas:
+                if d.get("content"):
+                    if not open_text:
+                        open_text = True
+                        ev += [_event(seq, "response.output_item.added", output_index=index,
+                                      item=dict(a.text_item("", "in_progress"), content=[])),
+                               _event(seq, "response.content_part.added", item_id=a.msg_id, output_index=index,
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                             "logprobs": []})]
+                    text.append(d["content"])
+                    ev.append(_event(seq, "response.output_text.delta", item_id=a.msg_id, output_index=index,
+                                     content_index=0, delta=d["content"], logprobs=[]))
+                for c in d.get("tool_calls", ()):
+                    if "id" in c:
+                        ev += close_text()
+                        call = {"id": c["id"], "function": {"name": c["function"]["name"], "arguments": ""}}
+                        calls[c["index"]] = {"call": call, "output_index": index + len(calls)}
+                        ev.append(_event(seq, "response.output_item.added", output_index=calls[c["index"]]["output_index"],
+                                         item=a.call_item(call, "in_progress")))
+                    entry = calls[c["index"]]
+                    delta = c["function"].get("arguments") or ""
+                    if delta:
+                        entry["call"]["function"]["arguments"] += delta
+                        ev.append(_event(seq, "response.function_call_arguments.delta",
+                                         item_id=a.fc_id(entry["call"]["id"]), output_index=entry["output_index"],
+                                         delta=delta))
+            return ev
+
+        async for piece in handle:
+            for e in items(reader.feed(piece) if reader is not None else [{"content": piece}]):
+                yield e
+            if reader is not None and reader.repeated and not stopped:
+                stopped = True
+                handle.cancel("stop")
+        out = handle.output
+        if out.finish_reason == "cancelled" and not stopped:
+            raise cancelled_error()
+        if reader is not None:
+            for e in items(reader.finish(cut=out.finish_reason == "length")):
+                yield e
+        for e in close_text():
+            yield e
+        for entry in calls.values():
+            call = entry["call"]
+            yield _event(seq, "response.function_call_arguments.done", item_id=a.fc_id(call["id"]),
+                         output_index=entry["output_index"], arguments=call["function"]["arguments"])
+            yield _event(seq, "response.output_item.done", output_index=entry["output_index"], item=a.call_item(call))
+        body, message = a.body(out)
+        a.record(store, body, message)
+        yield _event(seq, "response.completed" if body["status"] == "completed" else "response.incomplete",
+                     response=body)
+    except Exception as e:  # noqa: BLE001 - after the 200 went out, an error is one event in the stream
+        err = engine_error(e)
+        yield _event(seq, "error", code=err.code, message=err.message, param=err.param)
+    finally:
+        if handle.output is None:  # the client went away (or the error ended it): free its blocks
+            handle.cancel()
+
+
+def event_stream(a: Answer, handle, store: ResponseStore) -> EventStream:
+    """The streamed answer of a response: the Responses API's typed server-sent events; the response is stored when
+    it ends."""
+    return EventStream([handle], _events(a, handle, store), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
