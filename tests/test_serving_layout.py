@@ -113,6 +113,45 @@ def test_stale_foreign_or_damaged_layouts_are_not_used(w4, caplog):
     assert serving_layout.load(w4, backend, torch.bfloat16, lm_head_int8=True) is None
 
 
+def test_swapped_files_or_an_edited_layout_json_are_damaged(w4, caplog):
+    """Files swapped by hand (their modification times kept) and a hand-edited layout.json (a group size changed)
+    are found at load, warned about and not used; the checkpoint then loads as usual."""
+    backend = _backend()
+    folder = serving_layout.save(w4, backend, torch.bfloat16, lm_head_int8=True)
+    a, b, t = folder / "layer-000.safetensors", folder / "layer-001.safetensors", folder / "swap"
+    a.rename(t), b.rename(a), t.rename(b)
+    with caplog.at_level("WARNING"):
+        assert serving_layout.load(w4, backend, torch.bfloat16, lm_head_int8=True) is None
+    assert "modification times" in caplog.text and "liteturbo pack" in caplog.text
+    folder = serving_layout.save(w4, backend, torch.bfloat16, lm_head_int8=True)
+    meta_file = folder / "layout.json"
+    meta = json.loads(meta_file.read_text())
+    text = json.dumps(meta).replace('"group_size": {"v": 32}', '"group_size": {"v": 16}', 1)
+    assert text != json.dumps(meta)
+    meta_file.write_text(text)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert serving_layout.load(w4, backend, torch.bfloat16, lm_head_int8=True) is None
+    assert "digest" in caplog.text
+    folder = serving_layout.save(w4, backend, torch.bfloat16, lm_head_int8=True)
+    assert serving_layout.load(w4, backend, torch.bfloat16, lm_head_int8=True) is not None
+
+
+def test_a_killed_writers_folder_is_removed_by_the_next_save(w4):
+    backend = _backend()
+    parent = w4 / "serving"
+    parent.mkdir(exist_ok=True)
+    dead = 2**22 + 12345  # above the default pid_max: no such process
+    left = parent / f".abc.tmp-{dead}-xyz"
+    left.mkdir()
+    (left / "layer-000.safetensors").write_bytes(b"x" * 100)
+    alive = parent / f".abc.tmp-{os.getpid()}-xyz"  # a writer that still runs is left alone
+    alive.mkdir()
+    serving_layout.save(w4, backend, torch.bfloat16, lm_head_int8=True)
+    assert not left.exists() and alive.exists()
+    alive.rmdir()
+
+
 def test_a_backend_without_a_layout_saves_nothing(w4):
     class NoLayout(TorchBackend):
         def serving_layout_id(self, dtype):

@@ -547,10 +547,32 @@ def test_grammar_one_call_and_named(tok, lltok):
     noargs = tools.call_grammar(tools.read_tools([NOARGS], "required", False), "hermes")
     assert consumes(tok, lltok, noargs, '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')[2]
     assert not consumes(tok, lltok, noargs, '<tool_call>\n{"name": "ping", "arguments": {"a": 1}}\n</tool_call>')[0]
-    assert tools.call_grammar(tools.read_tools([WEATHER], "auto", True), "hermes") is None
     assert tools.call_grammar(tools.read_tools([WEATHER], "none", True), "hermes") is None
     with pytest.raises(LiteturboError, match="choose one of"):
         tools.call_grammar(tools.read_tools([WEATHER], "required", True), "qwen")
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_grammar_leaves_text_free_and_holds_a_started_call(tok, lltok, parallel):
+    """tool_choice "auto": any text, but a call marker starts a call that must follow the format and the schema to
+    its end (so no reply is a malformed call); without parallel calls, no second marker."""
+    g = tools.call_grammar(tools.read_tools([WEATHER, TIME], "auto", parallel), "hermes")
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    for text in ("Sure, it is sunny.", "", "x < y and <tool_ but no call", call, "Let me check.\n" + call,
+                 call + "\nDone."):
+        assert consumes(tok, lltok, g, text)[:2] == (True, True), text
+    for why, text in {"wrong name": '<tool_call>\n{"name": "get_wether", "arguments": {}}',
+                      "bad arguments": '<tool_call>\n{"name": "get_weather", "arguments": {"city": 3}}',
+                      "extra argument": '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC", "x": 1}}',
+                      "marker without a call": "a <tool_call> b"}.items():
+        assert consumes(tok, lltok, g, text)[0] is False, why
+    assert consumes(tok, lltok, g, call + "\n" + call)[0] is parallel
+    for fmt in ("llama3_json", "mistral"):
+        g = tools.call_grammar(tools.read_tools([WEATHER, TIME], "auto", parallel), fmt)
+        good = wrap(fmt, [("get_weather", '{"city": "Paris"}')])
+        assert consumes(tok, lltok, g, good)[:2] == (True, True), good
+        assert consumes(tok, lltok, g, "It is sunny.")[:2] == (True, True)
+        assert consumes(tok, lltok, g, wrap(fmt, [("nope", "{}")]))[0] is False
 
 
 @pytest.mark.parametrize("fmt", ["llama3_json", "mistral"])

@@ -61,7 +61,18 @@ def _pack(model, config) -> None:
     else:
         size = sum(f.stat().st_size for f in folder.iterdir())
         click.echo(f"[liteturbo] serving layout for this machine's engine: {folder} ({size / 2**30:.2f} GiB, "
-                   f"{time.perf_counter() - t:.1f} s); loads map it", err=True)
+                   f"{time.perf_counter() - t:.1f} s); {_who_maps(config)}", err=True)
+
+
+def _who_maps(config) -> str:
+    """Which loads map a layout packed for ``config`` (the layout's key is the backend, dtype and head kind)."""
+    if config.lm_head == "16bit":
+        return ("loads with a 16-bit head map it: turbo.Engine(..., lm_head=\"16bit\") (liteturbo chat and serve run "
+                "the default head)")
+    if config.batch_invariant:
+        return "loads in batch-invariant mode map it: liteturbo serve --batch-invariant, or turbo.Engine(..., " \
+               "batch_invariant=True)"
+    return "loads with the same --dtype map it (liteturbo chat, serve, turbo.Engine)"
 
 
 @lite.result_callback()

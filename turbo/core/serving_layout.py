@@ -7,8 +7,10 @@ Where: ``<checkpoint>/serving/<key>/``, ``key`` a hash of the backend's
 safetensors file per decoder layer (``layer-NNN.safetensors``) and ``head.safetensors`` (embeddings, final norm,
 output head), every tensor 64-byte aligned (:func:`lite.formats.writing.write_safetensors_streamed`), and
 ``layout.json``: the format version, the id, each file's objects as JSON (linears, backend handles, tensors by
-name), and the size and modification time of config.json and of every weight file it was made from. It is written
-into a temporary sibling folder, renamed when complete; a folder without a matching ``layout.json`` is never read.
+name), the size and modification time of config.json and of every weight file it was made from and of every layout
+file, and a digest of its own content. It is written into a temporary sibling folder (``.<key>.tmp-<pid>-*``; one
+left by a killed writer is removed by the next save), renamed when complete; a folder without a matching
+``layout.json`` is never read, and one whose files or ``layout.json`` changed since is ignored with a warning.
 
 Written by ``liteturbo lite ...`` after quantizing and by ``liteturbo pack`` (:func:`save`: one decoder layer in
 memory at a time). Read by the engine's start-up (:func:`load`) for a whole model (no tensor parallelism) when the
@@ -41,7 +43,7 @@ from .model import ConcatLinear, Layer, Linear, LlamaModel, ModelConfig
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2  # 2: layout.json carries each layout file's size and mtime and a digest of itself
 FOLDER = "serving"
 ALIGN = 64  # bytes: one cache line, the AVX-512 vector the CPU kernels load
 _MADV_POPULATE_READ = 22  # Linux >= 5.14
@@ -61,11 +63,33 @@ def layout_dir(path: Path, key: str) -> Path:
 
 def fingerprint(path: Path) -> dict[str, list[int]]:
     """Size and modification time (ns) of config.json and every weight file of the checkpoint at ``path``."""
+    return _stats([Path(path) / "config.json", *weight_files(Path(path))])
+
+
+def _stats(files) -> dict[str, list[int]]:
     out = {}
-    for f in [Path(path) / "config.json", *weight_files(Path(path))]:
+    for f in files:
         st = f.stat()
         out[f.name] = [st.st_size, st.st_mtime_ns]
     return out
+
+
+def _digest(meta: dict) -> str:
+    """A hash of layout.json's content (all but the digest itself): a hand-edited layout does not match it."""
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _clean_abandoned(parent: Path) -> None:
+    """Remove temporary layout folders whose writer is gone (a pack that was killed): ``.<key>.tmp-<pid>-*``."""
+    for d in parent.glob(".*.tmp-*"):
+        try:
+            pid = int(d.name.split(".tmp-", 1)[1].split("-", 1)[0])
+            os.kill(pid, 0)  # raises when no such process runs
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError, OSError):
+            continue  # not ours, or a live writer
 
 
 class _Unsupported(Exception):
@@ -147,7 +171,8 @@ def save(path: Path, backend: Backend, dtype: torch.dtype, lm_head_int8: bool) -
     target = layout_dir(path, key)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        _clean_abandoned(target.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     except OSError as e:
         blocker = next((p for p in (target.parent, target.parent.parent) if p.exists() and not p.is_dir()), None)
         if blocker is not None:
@@ -169,8 +194,9 @@ def save(path: Path, backend: Backend, dtype: torch.dtype, lm_head_int8: bool) -
         if fingerprint(path) != before:
             raise LiteturboError(f"{path} changed while its serving layout was being written; run `liteturbo pack "
                                  f"{path}` again once nothing else writes it")
-        write_json(tmp / "layout.json", {"version": VERSION, "id": key, "fingerprint": before, "layers": layers,
-                                         "head": head})
+        meta = {"version": VERSION, "id": key, "fingerprint": before, "layers": layers, "head": head,
+                "files": _stats(tmp / e["file"] for e in [*layers, head])}
+        write_json(tmp / "layout.json", dict(meta, digest=_digest(meta)))
         os.chmod(tmp, 0o755)
         if target.exists():
             shutil.rmtree(target)
@@ -237,6 +263,12 @@ def load(path: Path, backend: Backend, dtype: torch.dtype, lm_head_int8: bool) -
             log.info("the serving layout in %s is stale (the checkpoint or the layout changed); loading %s as usual",
                      folder, path)
             return None
+        if meta.get("digest") != _digest(meta):
+            raise ValueError("layout.json does not match its digest: it was edited after it was written")
+        files = [folder / e["file"] for e in [*meta["layers"], meta["head"]]]
+        if _stats(files) != meta["files"]:
+            raise ValueError("its files' sizes or modification times are not those it was written with (files "
+                             "replaced, moved or copied)")
         raw = load_config(Path(path))
         cfg = ModelConfig.from_dict(raw)
         if len(meta["layers"]) != cfg.num_layers:

@@ -124,12 +124,16 @@ class Served:
                       add_special_tokens=False)
 
     def tool_constraint(self, tool_req: ToolRequest | None, sampling: dict) -> dict:
-        """The grammar that forces a call (``tool_choice`` "required" or a named function), as keywords; 400 when
-        the request also gives a structured-output constraint."""
+        """The grammar of the request's calls, as keywords: ``tool_choice`` "required" or a named function forces a
+        call (400 when the request also gives a structured-output constraint); "auto" leaves text free but holds a
+        call the reply starts to the format and the tool's schema (none with a structured-output constraint)."""
         grammar = call_grammar(tool_req, self.tool_parser.name, self.client.tokenizer) if tool_req else None
         if grammar is None:
             return {}
-        if any(sampling.get(k) is not None for k in ("json_schema", "regex", "choice", "grammar")):
+        constrained = any(sampling.get(k) is not None for k in ("json_schema", "regex", "choice", "grammar"))
+        if tool_req.choice == "auto":  # a call the reply starts must end well; a structured output wins
+            return {} if constrained else {"grammar": grammar}
+        if constrained:
             raise APIError(400, "tool_choice \"required\" or a named function already constrains the reply; leave "
                                 "out response_format / guided_* or use tool_choice \"auto\"", param="tool_choice")
         return {"grammar": grammar}

@@ -14,7 +14,8 @@ forces a call, and the finish reason. It follows OpenAI's semantics, and vLLM's 
   are :mod:`turbo.tool_parsers` (:class:`ToolParser`, :class:`ToolCall` re-exported here).
 - :func:`call_grammar` is the Lark grammar (llguidance's dialect) that forces a call for ``tool_choice``
   "required" or a named function: the parser's format around ``%json`` objects ``{"name": const, "arguments":
-  the tool's parameters schema}`` (rewritten by :mod:`turbo.serve.schema_walk`: refs rebased, objects closed).
+  the tool's parameters schema}`` (rewritten by :mod:`turbo.serve.schema_walk`: refs rebased, objects closed); for
+  "auto" a lazy grammar: free text, and a call once its marker is written (so no reply is a malformed call).
 - :func:`finish_reason` is ``"tool_calls"`` when a reply made calls.
 """
 from __future__ import annotations
@@ -285,7 +286,8 @@ def _marker(text: str, tokenizer) -> str:
 def call_grammar(tools: ToolRequest, parser: str, tokenizer=None) -> str | None:
     """Lark text (llguidance's dialect, for ``GenerationConfig(grammar=)``) that makes the whole reply tool calls in
     ``parser``'s format: for ``tool_choice`` "required" one call (one or more with ``parallel_tool_calls``) of any
-    of the tools, for a named function exactly one call of it; ``None`` for "auto" and "none" (nothing forced).
+    of the tools, for a named function exactly one call of it; for "auto" free text in which a call, once its marker
+    is written, follows the same rules (:func:`_auto_grammar`); ``None`` for "none".
     Each call is a ``%json`` object ``{"name": <const>, "arguments": <the tool's parameters schema>}`` (llama3_json:
     ``"parameters"``) with no other keys (the tool's schema with its local ``$ref`` rebased and its objects closed:
     a missing ``additionalProperties`` reads as false, :func:`~turbo.serve.schema_walk.close_objects`), written
@@ -293,13 +295,15 @@ def call_grammar(tools: ToolRequest, parser: str, tokenizer=None) -> str | None:
     joined by ``"; "``; mistral: ``[TOOL_CALLS]`` then a JSON array. ``tokenizer`` (optional) lets a marker that is
     a special token of the model be matched as that token. Unknown ``parser``: LiteturboError."""
     ToolParser(parser)
-    if tools.choice not in ("required", "named"):
+    if tools.choice not in ("required", "named", "auto"):
         return None
-    chosen = [t for t in tools.tools if tools.choice == "required" or t.name == tools.named]
+    chosen = [t for t in tools.tools if tools.choice in ("required", "auto") or t.name == tools.named]
     key = "parameters" if parser == "llama3_json" else "arguments"
     defs = {f"tool{i}": rebase_refs(close_objects(t.parameters), f"#/$defs/tool{i}") for i, t in enumerate(chosen)}
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: {"$ref": f"#/$defs/tool{i}"}},
               "required": ["name", key], "additionalProperties": False} for i, t in enumerate(chosen)]
+    if tools.choice == "auto":
+        return _auto_grammar(parser, calls, defs, tools.parallel, tokenizer)
     many = tools.choice == "required" and tools.parallel
     if parser == "mistral":
         array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if many else {"maxItems": 1})}
@@ -311,6 +315,47 @@ def call_grammar(tools: ToolRequest, parser: str, tokenizer=None) -> str | None:
     open_, close, nl = _marker("<tool_call>", tokenizer), _marker("</tool_call>", tokenizer), json.dumps("\n")
     return (f"start: call{' (' + nl + ' call)*' if many else ''}\n"
             f"call: {open_} {nl} body {nl} {close}\nbody: %json {body}\n")
+
+
+def _not_containing(marker: str) -> str:
+    """A Lark terminal: any text without ``marker`` in it (llguidance's ``&`` / ``~`` operators)."""
+    return f"/(?s:.*)/ & ~/(?s:.*){_regex_lit(marker)}(?s:.*)/"
+
+
+def _regex_lit(text: str) -> str:
+    """``text`` as a literal inside a llguidance ``/.../`` regex."""
+    return "".join("\\" + c if c in r".^$*+?()[]{}|\/" else c for c in text)
+
+
+def _auto_grammar(parser: str, calls: list[dict], defs: dict, many: bool, tokenizer) -> str:
+    """``tool_choice: "auto"``: free text, but once the reply starts a call (its marker) the call follows the
+    format and the tools' schemas to its end (a lazy grammar, as llguidance's docs write tool calling). Hermes: any
+    text, calls ``<tool_call>\\n{...}\\n</tool_call>`` anywhere in it (one at most without parallel calls), and no
+    marker outside a call; llama3_json: a reply that starts with ``{`` (or ``<|python_tag|>``) is calls joined by
+    ``"; "``, any other is text; mistral: ``[TOOL_CALLS]`` then the JSON array, or text without the marker."""
+    body = json.dumps({"x-guidance": _JSON_STYLE, "$defs": defs, "anyOf": calls}, ensure_ascii=False)
+    if parser == "mistral":
+        array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if many else {"maxItems": 1})}
+        arr = json.dumps({"x-guidance": _JSON_STYLE, "$defs": defs, **array}, ensure_ascii=False)
+        mark = _marker("[TOOL_CALLS]", tokenizer)
+        text = "/(?s:.*)/" if mark.startswith("<[") else _not_containing("[TOOL_CALLS]")
+        return f"start: TEXT | {mark} \" \"? calls\ncalls: %json {arr}\nTEXT: {text}\n"
+    if parser == "llama3_json":
+        tag = _marker("<|python_tag|>", tokenizer)
+        text = r"/(?s:.*)/ & ~/[ \t\n\r]*\{(?s:.*)/"
+        if not tag.startswith("<["):
+            text += r" & ~/[ \t\n\r]*<\|python_tag\|>(?s:.*)/"
+        rest = ' ("; " call)*' if many else ""
+        return (f"start: TEXT | {tag}? WS? call{rest}\ncall: %json {body}\nTEXT: {text}\nWS: /[ \\t\\n\\r]+/\n")
+    open_, close = _marker("<tool_call>", tokenizer), _marker("</tool_call>", tokenizer)
+    if open_.startswith("<["):  # a special token: text can never spell it
+        head, tail = f"HEAD? {open_}", "TAIL: /(?s:.*)/"
+        head_rule = "HEAD: /(?s:.+)/"
+    else:
+        head, tail = "head", f"TAIL: {_not_containing('<tool_call>')}"
+        head_rule = f"head[lazy]: /(?s:.*)/ {open_}"
+    return (f"start: call{'*' if many else '?'} TAIL\n"
+            f"call: {head} \"\\n\"? body \"\\n\"? {close}\n{head_rule}\n{tail}\nbody: %json {body}\n")
 
 
 def finish_reason(engine_reason: str, calls: list, tools: ToolRequest | None = None) -> str:
