@@ -22,7 +22,10 @@ Reported, as one JSON line:
   ``leaked_kv_blocks``: ``liteturbo_kv_blocks_used`` then (nothing running: every block free or evictable);
 - ``hostile_sent``, ``hostile_4xx``: hostile bodies and those answered with a 4xx (anything else is a defect; a
   5xx among them also counts in ``errors_5xx``);
-- ``stalls``: the engine's stall count (``liteturbo_engine_stalls``; a 15 s stop stays under the 20 s bound).
+- ``stalls``: the engine's stall count (``liteturbo_engine_stalls``; a 15 s stop stays under the 20 s bound);
+- for diagnosis: ``session_turn_seconds_max``, ``slow_turns`` ((start, seconds) after the start of the run of session
+  turns that took 30 s or more, the first 20), ``faults`` (their windows, in seconds after the start) and
+  ``rss_trace_mib`` ((seconds, front MiB, engine MiB) every 30 s from the RSS baseline to the end).
 """
 from __future__ import annotations
 
@@ -124,6 +127,12 @@ class Server:
                 return float(line.split()[1])
         raise KeyError(name)
 
+    def rss_parts(self) -> tuple[int, int]:
+        """Resident MiB of the front process and of its children (the engine process)."""
+        front = psutil.Process(self.proc.pid)
+        kids = sum(p.memory_info().rss for p in front.children(recursive=True) if p.is_running())
+        return front.memory_info().rss >> 20, kids >> 20
+
     def kill(self) -> None:
         """SIGKILL the server's process group and wait for it."""
         if self.proc is not None and self.proc.poll() is None:
@@ -141,6 +150,8 @@ class Soak:
         self.n = dict(requests=0, errors_5xx=0, fault_errors=0, hostile_sent=0, hostile_4xx=0)
         self.bad: list[str] = []  # what the errors outside faults were (first few)
         self.turns: dict[str, list[str]] = {}  # session id -> acknowledged user/tool turn texts, in order
+        self.t0 = time.time()
+        self.turn_times: list[tuple[float, float]] = []  # (start after t0, seconds) of every session turn
 
     def in_fault(self, t0: float, t1: float) -> bool:
         """Whether ``[t0, t1]`` (epoch seconds) overlaps a fault window (1 s before a fault to 5 s after recovery)."""
@@ -231,7 +242,10 @@ def client_loop(soak: Soak, i: int) -> None:
                 text = body["content"]
             else:
                 body, text = {"content": ask, "max_tokens": 16}, ask
+            t_turn = time.time()
             _, r = post(f"/v1/sessions/{sid}/chat", body)
+            with soak.lock:
+                soak.turn_times.append((round(t_turn - soak.t0, 1), round(time.time() - t_turn, 1)))
             if r is None:
                 continue
             if r.status_code == 404:  # lost with a server that was killed before saving it: start another
@@ -307,6 +321,11 @@ def main() -> None:
         soak.faults[-1][1] = time.time()
         time.sleep(min(60.0, max(0.0, soak.deadline - time.time() - 1)))
         rss0 = server.rss()
+        trace = []  # (seconds after t0, front MiB, engine MiB) every 30 s until the clients end
+        while any(t.is_alive() for t in threads) and time.time() < soak.deadline + 180:
+            if not trace or time.time() - soak.t0 - trace[-1][0] >= 30:
+                trace.append((round(time.time() - soak.t0), *server.rss_parts()))
+            time.sleep(1.0)
         for t in threads:
             t.join(max(1.0, soak.deadline - time.time() + 180))
         rss1 = server.rss()
@@ -328,7 +347,10 @@ def main() -> None:
                    rss_growth_pct=round(100 * (rss1 - rss0) / rss0, 2),
                    leaked_sessions=int(server.metric("liteturbo_sessions")),
                    leaked_kv_blocks=int(server.metric("liteturbo_kv_blocks_used")),
-                   stalls=int(server.metric("liteturbo_engine_stalls")), errors_seen=soak.bad)
+                   stalls=int(server.metric("liteturbo_engine_stalls")), errors_seen=soak.bad,
+                   session_turn_seconds_max=max((d for _, d in soak.turn_times), default=0.0),
+                   slow_turns=[x for x in soak.turn_times if x[1] >= 30][:20], rss_trace_mib=trace,
+                   faults=[[round(a - soak.t0), round(b - soak.t0)] for a, b in soak.faults])
     finally:
         server.kill()
     row["server_log"] = str(work / "server.log")

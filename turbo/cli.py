@@ -294,6 +294,9 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
 @click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3_json", "mistral"]), default=None,
               help="The format the model writes tool calls in (default: the one its chat template writes, else "
                    "hermes, which the fallback tool prompt asks for).")
+@click.option("--reasoning-parser", type=click.Choice(["auto", "none", "deepseek_r1", "qwen3"]), default="auto",
+              show_default=True, help="Split a thinking model's <think> text into reasoning_content (auto: when the "
+                                      "chat template thinks; none: keep it in content).")
 @click.option("--stall-timeout", default=20.0, show_default=True, type=click.FloatRange(min=0.5),
               help="Seconds the engine process may make no progress while requests are open before /health answers "
                    "503 and they end with a 503 (a hung or stopped engine); raise it when one prefill chunk of a big "
@@ -302,7 +305,7 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
 @_kv_options
 @friendly_errors
 def serve(model, host, port, model_name, api_keys, batch_invariant, engine_process, session_host_gib, session_overflow,
-          speculative, tool_call_parser, stall_timeout,
+          speculative, tool_call_parser, reasoning_parser, stall_timeout,
           dtype, max_batch_size, max_num_batched_tokens,
           block_size, session_len, max_kv_tokens, kv_cache_gib, cache_max_entry_count, max_request_bytes, log_level,
           session_dir, max_sessions, session_idle_timeout, device_opts, kv_opts) -> None:
@@ -319,7 +322,7 @@ def serve(model, host, port, model_name, api_keys, batch_invariant, engine_proce
     run(model, host=host, port=port, model_name=model_name, api_keys=api_keys or "",
         max_request_bytes=max_request_bytes, log_level=log_level, session_dir=session_dir, max_sessions=max_sessions,
         session_idle_timeout=session_idle_timeout, engine_process=engine_process, tool_call_parser=tool_call_parser,
-        speculative=speculative, stall_timeout=stall_timeout,
+        speculative=speculative, stall_timeout=stall_timeout, reasoning_parser=reasoning_parser,
         dtype=dtype, **device_opts,
         batch_invariant=batch_invariant, session_host_gib=session_host_gib, session_overflow=session_overflow,
         max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,

@@ -339,6 +339,9 @@ class GenerationConfig:
     reply matches; choice: the reply is exactly one of these strings; grammar: a Lark grammar in llguidance's
     dialect, or a GBNF one (it has ``::=``; converted). The grammar decides where a constrained reply ends (``min_new_tokens`` does not delay it); one
     unfinished at ``max_new_tokens`` ends with ``length``; logprobs are those of the constrained distribution.
+    after_reasoning (a thinking model's reply, :mod:`turbo.reasoning_parsers`): the constraint holds only after the
+    reasoning block: ``"open"`` when the prompt opened it (free text up to ``</think>``, then the constraint),
+    ``"optional"`` when the reply may open it with ``<think>`` (or answer at once); ``None``: from the first token.
     Raises ``LiteturboError`` naming the option for a wrong type or a value out of range.
     """
 
@@ -362,9 +365,12 @@ class GenerationConfig:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    after_reasoning: str | None = None
 
     def __post_init__(self) -> None:
         self._check_constraint()
+        if self.after_reasoning not in (None, "open", "optional"):
+            raise LiteturboError(f"after_reasoning must be None, \"open\" or \"optional\", got {self.after_reasoning!r}")
         for f in SAMPLING_FIELDS:  # every type before any range
             if f.kind in LIST_KINDS:
                 setattr(self, f.keyword, _listed(f, getattr(self, f.keyword)))

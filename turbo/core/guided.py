@@ -54,8 +54,26 @@ def ll_tokenizer(tokenizer, vocab_size: int):
 
 
 def grammar_text(gen) -> tuple[str, str] | None:
-    """``(llguidance grammar, what it is in words)`` for ``gen``'s constraint, ``None`` when it has none. The
+    """``(llguidance grammar, what it is in words)`` for ``gen``'s constraint, ``None`` when it has none; with
+    ``after_reasoning`` the constraint is a sub-grammar after the reasoning block (:func:`_after_reasoning`). The
     fields were type-checked by ``GenerationConfig``."""
+    got = _constraint_text(gen)
+    if got is None or gen.after_reasoning is None:
+        return got
+    return _after_reasoning(got[0], gen.after_reasoning), got[1]
+
+
+def _after_reasoning(grammar: str, how: str) -> str:
+    """A top-level grammar whose text is free up to ``</think>`` (``how`` "open": the prompt opened the block;
+    "optional": the reply may open it with ``<think>``, or answer at once), then whitespace, then ``grammar``."""
+    import json
+    inner = json.loads(grammar)["grammars"]
+    head = 'start: think WS? @answer\n' if how == "open" else 'start: ("<think>" think WS?)? @answer\n'
+    lark = head + 'think[lazy]: /(?s:.*)/ "</think>"\nWS: /[ \\t\\r\\n]+/\n'
+    return json.dumps({"grammars": [{"lark_grammar": lark}, dict(inner[0], name="answer"), *inner[1:]]})
+
+
+def _constraint_text(gen) -> tuple[str, str] | None:
     import llguidance
     if gen.json_schema is not None:
         schema = {} if gen.json_schema is True else gen.json_schema

@@ -67,6 +67,7 @@ from ..core import encode
 from ..errors import NotFound
 from ..loop import EngineLoop
 from ..tool_parsers import reading as tool_reading
+from ..reasoning_parsers import ReasoningParser, parser_for_template as reasoning_for_template, prompt_opens_reasoning
 from ..engine_proc.client import EngineClient
 from ..engine_proc.inproc import InprocClient
 from ..engine_proc.mp_client import MPClient
@@ -106,6 +107,7 @@ class Served:
     tool_parser: ToolParser | None = None  # the model's tool-call format (turbo/serve/tools.py)
     base: dict = field(default_factory=dict)  # the server's sampling defaults under every request's (--speculative)
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
+    reasoning: ReasoningParser | None = None  # a thinking model's format (turbo/reasoning_parsers.py)
 
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "liteturbo",
@@ -122,6 +124,17 @@ class Served:
             return self.client.chat_template_ids(messages)
         return encode(self.client.tokenizer, render_prompt(self.client.tokenizer, messages, tool_req),
                       add_special_tokens=False)
+
+    def reasoning_layer(self, ids: list[int], layers: tuple[dict, ...]) -> tuple[bool | None, dict]:
+        """For a thinking model: (whether the prompt ``ids`` opened the reasoning block, the keywords that put a
+        constraint in ``layers`` after the reasoning); ``(None, {})`` without a reasoning parser."""
+        if self.reasoning is None:
+            return None, {}
+        tail = self.client.tokenizer.decode(ids[-64:], skip_special_tokens=False)
+        opened = prompt_opens_reasoning(tail)
+        constrained = any(layer.get(k) is not None for layer in layers
+                          for k in ("json_schema", "regex", "choice", "grammar"))
+        return opened, ({"after_reasoning": "open" if opened else "optional"} if constrained else {})
 
     def tool_constraint(self, tool_req: ToolRequest | None, sampling: dict) -> dict:
         """The grammar of the request's calls, as keywords: ``tool_choice`` "required" or a named function forces a
@@ -274,8 +287,12 @@ async def chat_completions(request: Request):
     want_lp = {"logprobs": MAX_LOGPROBS} if lp else {}
     c = s.client
     if req.session_id is None:
-        gen = s.gen(req.sampling, s.tool_constraint(req.tools, req.sampling), want_lp)
-        handles = await run_in_threadpool(lambda: submit_choices(c, s.chat_ids(req.messages, req.tools), gen, req.n))
+        layers = (req.sampling, s.tool_constraint(req.tools, req.sampling), want_lp)
+        ids = await run_in_threadpool(s.chat_ids, req.messages, req.tools)
+        job.prompt_open, after = s.reasoning_layer(ids, layers)
+        job.reasoning = s.reasoning if job.prompt_open is not None else None
+        gen = s.gen(*layers, after)
+        handles = await run_in_threadpool(submit_choices, c, ids, gen, req.n)
         return await respond(request, job, handles)
     stored = await on_session(s, c.check_session, req.session_id)  # 404 first
     last = req.messages[-1]
@@ -465,7 +482,7 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
                api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20,
                sessions: SessionRegistry | None = None, session_dir: bool | None = None,
                tool_call_parser: str | None = None, speculative: int = 0,
-               response_dir: str | None = None) -> FastAPI:
+               response_dir: str | None = None, reasoning_parser: str | None = "auto") -> FastAPI:
     """The FastAPI app serving ``engine``: an :class:`Engine` in this process, or an
     :class:`~turbo.engine_proc.mp_client.MPClient` of an engine process (then ``loop`` and ``sessions`` must be None and
     the app closes the client when it shuts down).
@@ -483,7 +500,10 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     else ``hermes``, see :func:`turbo.serve.tools.choose_parser`). speculative: the default of the requests'
     ``speculative`` (prompt-lookup draft tokens per step; greedy requests only; 0: off). response_dir: where the
     Responses API keeps stored responses (``<dir>/.responses/``; default: the in-process registry's session dir;
-    ``None`` there: in memory only). Raises ``LiteturboError`` for bad arguments.
+    ``None`` there: in memory only). reasoning_parser: a thinking model's format (:mod:`turbo.reasoning_parsers`:
+    ``deepseek_r1``, ``qwen3``; ``"auto"``: the one its chat template writes, if any; ``None`` or ``"none"``: its
+    reasoning stays in ``content``): chat completions then answer ``reasoning_content`` beside ``content`` and hold a
+    structured-output or tool-call constraint only after the reasoning. Raises ``LiteturboError`` for bad arguments.
     """
     if not is_int(max_request_bytes) or max_request_bytes < 1:
         raise LiteturboError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
@@ -502,7 +522,8 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     s = Served(client, model_name or client.path.name, keys, max_request_bytes, owned, metrics, chat_page,
                Tokens(client.tokenizer), persist=bool(session_dir),
                tool_parser=ToolParser(choose_parser(client.tokenizer, tool_call_parser)),
-               base={"speculative": speculative} if speculative else {}, responses=ResponseStore(response_dir))
+               base={"speculative": speculative} if speculative else {}, responses=ResponseStore(response_dir),
+               reasoning=_reasoning_parser(reasoning_parser, client.tokenizer))
     s.gen({})  # a bad default fails here, at start-up
     app = FastAPI(title="liteturbo", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -518,11 +539,22 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     return app
 
 
+def _reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None:
+    """The reasoning parser ``name`` asks for (``"auto"``: from the chat template; ``None`` / ``"none"``: none)."""
+    if name in (None, "none"):
+        return None
+    if name == "auto":
+        from ..chat_render import template_text
+        name = reasoning_for_template(template_text(tokenizer))
+        return None if name is None else ReasoningParser(name)
+    return ReasoningParser(name)
+
+
 def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: str | None = None,
           api_keys: str | list[str] | None = None, max_request_bytes: int = 1 << 20, log_level: str = "info",
           session_dir: str | None = None, max_sessions: int = 256, session_idle_timeout: float = 3600.0,
           engine_process: bool = True, tool_call_parser: str | None = None, speculative: int = 0,
-          stall_timeout: float = 20.0, **engine_options) -> None:
+          stall_timeout: float = 20.0, reasoning_parser: str | None = "auto", **engine_options) -> None:
     """Load ``model`` (name or checkpoint folder) into an :class:`Engine` with ``engine_options``
     (:class:`~turbo.config.EngineConfig` fields) and serve it with uvicorn on ``host:port`` until interrupted.
     ``engine_process``: run the engine in a process of its own (:mod:`turbo.engine_proc.process`; default) or in
@@ -540,6 +572,8 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
     keys = _parse_keys(api_keys)
     if tool_call_parser is not None:
         ToolParser(tool_call_parser)  # an unknown name fails before the (slow) model load
+    if reasoning_parser not in (None, "auto", "none"):
+        ReasoningParser(reasoning_parser)  # an unknown name fails before the (slow) model load
     _check_port(host, port)  # before the (slow) model load
     if session_dir is not None:  # before the (slow) model load
         make_dirs(Path(session_dir).expanduser(), "--session-dir")
@@ -550,12 +584,12 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
             print(f"[liteturbo] restored {client.restored} session(s) from {session_dir}", file=sys.stderr)
         app = create_app(client, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
                          session_dir=session_dir is not None, tool_call_parser=tool_call_parser,
-                         speculative=speculative, response_dir=session_dir)
+                         speculative=speculative, response_dir=session_dir, reasoning_parser=reasoning_parser)
     else:
         engine = Engine(model, **engine_options)
         app = create_app(engine, model_name=model_name, api_keys=keys, max_request_bytes=max_request_bytes,
                          sessions=SessionRegistry(engine, **registry), tool_call_parser=tool_call_parser,
-                         speculative=speculative)
+                         speculative=speculative, reasoning_parser=reasoning_parser)
     _run(app, host, port, log_level, bool(keys))
 
 

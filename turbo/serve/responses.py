@@ -10,7 +10,9 @@
   their chunks as they come, each with its ``index``; ``usage`` counts the shared prompt once). A chat with tools
   reads each reply for calls (:mod:`turbo.tool_parsers`): the message gets ``tool_calls`` and the finish
   reason ``tool_calls``; a stream sends ``tool_calls`` deltas as OpenAI does (the call's id, type and name first,
-  then its arguments), each call once its JSON closed; a call cut by ``max_tokens`` is dropped whole.
+  then its arguments), each call once its JSON closed; a call cut by ``max_tokens`` is dropped whole. With a
+  reasoning parser (a thinking model) the reasoning goes to ``reasoning_content`` (streamed as its own deltas) and
+  the rest is the reply.
 - Log-probability entries (their bytes, token strings and text offsets) are :mod:`turbo.serve.logprobs`.
 """
 from __future__ import annotations
@@ -88,6 +90,8 @@ class Job:
     tools: Any = None
     tool_parser: Any = None
     call_id_prefix: str | None = None
+    reasoning: Any = None  # a ReasoningParser (turbo/reasoning_parsers.py): replies split into reasoning and content
+    prompt_open: bool = False  # the prompt opened the reasoning block
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -101,15 +105,21 @@ class Job:
         return finish_reason(reason, [True], self.tools)
 
     def message(self, out: GenerationOutput) -> tuple[dict, str]:
-        """A finished chat reply's ``message`` and finish reason (``tool_calls`` when it made calls)."""
-        if self.tool_parser is None:
-            return {"role": "assistant", "content": out.text}, out.finish_reason
+        """A finished chat reply's ``message`` and finish reason (``tool_calls`` when it made calls); with a
+        reasoning parser, its reasoning as ``reasoning_content`` (``None`` when it had none) and the rest read as
+        the reply."""
+        text, head = out.text, {"role": "assistant"}
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(out.text, self.prompt_open)
+            head["reasoning_content"] = thought
+        if self.tool_parser is None or text is None:
+            return dict(head, content=text), out.finish_reason
         # a call cut by max_tokens is dropped whole (no half call, no markup in the content)
-        content, calls = self.tool_parser.parse(out.text, self.tools.max_calls, cut=out.finish_reason == "length",
+        content, calls = self.tool_parser.parse(text, self.tools.max_calls, cut=out.finish_reason == "length",
                                                 call_id_prefix=self.call_id_prefix)
         if not calls:
-            return {"role": "assistant", "content": content}, out.finish_reason
-        message = {"role": "assistant", "content": content, "tool_calls": [c.openai() for c in calls]}
+            return dict(head, content=content), out.finish_reason
+        message = dict(head, content=content, tool_calls=[c.openai() for c in calls])
         return message, self.finish(out.finish_reason, True)
 
 
@@ -164,6 +174,7 @@ class _Choice:
         self.offsets = TextOffsets()  # at token `sent`
         self.reader = job.tool_parser.streamer(job.tools.max_calls, job.call_id_prefix) \
             if job.tool_parser is not None else None
+        self.thinking = job.reasoning.streamer(job.prompt_open) if job.reasoning is not None else None
         self.called = self.stopped = False  # stopped: the reply repeated a call, so its generation was stopped
 
     def chunks(self, piece: str, tokens: Tokens, end: int | None = None) -> list[dict]:
@@ -176,10 +187,15 @@ class _Choice:
             choices = [{"index": self.index, "text": piece, "logprobs": lp, "finish_reason": None}]
             return [dict(base, choices=choices, **({"usage": None} if job.include_usage else {}))] \
                 if piece or (lp and lp["tokens"]) else []
+        thoughts = []
+        if self.thinking is not None:  # reasoning first; the rest is the reply, read for calls below
+            split = self.thinking.feed(piece) + (self.thinking.finish() if end is not None else [])
+            thoughts = [d for d in split if "reasoning_content" in d]
+            piece = "".join(d.get("content", "") for d in split)
         if self.reader is None:
-            deltas = [{"content": piece}] if piece else []
+            deltas = thoughts + ([{"content": piece}] if piece else [])
         else:
-            deltas = self.reader.feed(piece) + (
+            deltas = thoughts + self.reader.feed(piece) + (
                 self.reader.finish(cut=self.handle.output.finish_reason == "length") if end is not None else [])
             self.called = self.called or any("tool_calls" in d for d in deltas)
             if self.reader.repeated and not self.stopped:
