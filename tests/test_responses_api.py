@@ -130,7 +130,7 @@ def test_function_call_round_trip(client):
 def test_text_format_json_schema(client):
     pet = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
            "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
-    r = client.responses.create(model=MODEL, input="A pet as JSON.", max_output_tokens=60, temperature=0.7,
+    r = client.responses.create(model=MODEL, input="A pet as JSON.", max_output_tokens=80, temperature=0,
                                 text={"format": {"type": "json_schema", "name": "pet", "schema": pet, "strict": True}})
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), pet)
@@ -160,6 +160,7 @@ def test_stored_responses_survive_a_restart(engine, served, session_dir, client)
         assert nxt.output_text
     finally:
         stop2()
+        assert engine.loop.running  # the second app stopped the engine's loop when it shut down: started again
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -178,3 +179,27 @@ def test_bad_bodies_name_the_field(body, needle):
     with pytest.raises(APIError) as e:
         responses_api.read_request({"model": MODEL, **body}, MODEL, ResponseStore())
     assert e.value.status == 400 and needle in e.value.message, e.value.message
+
+
+def test_response_sessions_are_capped(served, client):
+    """One-off responses do not pile up sessions: beyond the cap the least recently used response session goes, and
+    its response can still be continued (from the stored conversation)."""
+    app = served[1]
+    live = app.state.served.response_sessions
+    old_cap, live.cap = live.cap, 2
+    live.shed(app.state.served.client, 2)
+    n_before = len(app.state.sessions) - len(live.order)
+    try:
+        firsts = [client.responses.create(model=MODEL, input=f"Say the number {i}.", max_output_tokens=6,
+                                          temperature=0) for i in range(4)]
+        assert len(live.order) <= 2
+        assert len(app.state.sessions) <= n_before + 2
+        nxt = client.responses.create(model=MODEL, input="And the next one?", previous_response_id=firsts[0].id,
+                                      max_output_tokens=6, temperature=0)
+        ref = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
+            {"role": "user", "content": "Say the number 0."}, {"role": "assistant", "content": firsts[0].output_text},
+            {"role": "user", "content": "And the next one?"}])
+        assert nxt.output_text == ref.choices[0].message.content
+        assert len(live.order) <= 2
+    finally:
+        live.cap = old_cap

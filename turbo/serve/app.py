@@ -108,6 +108,7 @@ class Served:
     base: dict = field(default_factory=dict)  # the server's sampling defaults under every request's (--speculative)
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
     reasoning: ReasoningParser | None = None  # a thinking model's format (turbo/reasoning_parsers.py)
+    response_sessions: responses_api.ResponseSessions = field(default_factory=responses_api.ResponseSessions)
 
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "liteturbo",
@@ -350,7 +351,8 @@ async def create_response(request: Request):
     if r.store:
         read = _session_reading(s, reads)
         job.call_id_prefix = read and read["call_id_prefix"]
-        handle, answer.session_id = await run_in_threadpool(responses_api.submit, s.client, r, gen, s.persist, read)
+        handle, answer.session_id = await run_in_threadpool(responses_api.submit, s.client, r, gen, s.persist, read,
+                                                            s.response_sessions)
     else:
         ids = await run_in_threadpool(s.chat_ids, chat.messages, chat.tools)
         handle = await run_in_threadpool(s.client.submit, ids, gen)

@@ -14,6 +14,8 @@ session's (``usage.input_tokens_details.cached_tokens`` ≈ the history), and wi
 restart (sessions are saved after every turn; the responses under the session dir, :mod:`turbo.serve.response_store`).
 A response that continues an older one (a branch), whose session expired, or whose ``instructions`` differ starts
 a session of its own with the stored conversation (its KV from the prefix cache where the blocks are still there).
+At most ``cap`` such sessions live (:class:`ResponseSessions`, least recently used first; default 64): one-off
+responses do not fill the session registry or the session dir.
 ``store: false`` runs as a plain chat and keeps nothing.
 
 The answer is a ``response`` object (:meth:`Answer.body`: ``message`` items with ``output_text`` and
@@ -28,6 +30,7 @@ or ``response.incomplete``; an error after the stream began is one ``error`` eve
 """
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -35,7 +38,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from ..errors import NotFound
+from ..errors import Conflict, NotFound, OverCapacity
 from ..http_errors import APIError
 from . import protocol
 from .response_store import ResponseStore, StoredResponse
@@ -269,7 +272,34 @@ def read_request(data: dict, model_id: str, store: ResponseStore) -> ResponsesRe
 _HEAD = threading.Lock()  # one head check + turn submission at a time, so two continuations cannot both extend it
 
 
-def submit(client, r: ResponsesRequest, gen, persist: bool, read: dict | None):
+class ResponseSessions:
+    """The sessions stored responses run in, least recently used first; at most ``cap`` of them live: the oldest
+    beyond it is deleted (its responses stay stored, and continuing one later starts a session with the stored
+    conversation), so one-off responses do not fill the session registry or the session dir."""
+
+    def __init__(self, cap: int = 64) -> None:
+        self.cap = cap
+        self.order: "collections.OrderedDict[str, None]" = collections.OrderedDict()
+
+    def touch(self, sid: str) -> None:
+        self.order[sid] = None
+        self.order.move_to_end(sid)
+
+    def shed(self, client, keep: int) -> None:
+        """Delete the least recently used sessions until at most ``keep`` remain (busy ones are skipped)."""
+        for sid in list(self.order):
+            if len(self.order) <= keep:
+                return
+            try:
+                client.session_delete(sid)
+            except Conflict:  # generating now: it stays
+                continue
+            except NotFound:
+                pass
+            self.order.pop(sid, None)
+
+
+def submit(client, r: ResponsesRequest, gen, persist: bool, read: dict | None, live: ResponseSessions):
     """Queue a stored response (``store: true``) on the engine as a session turn; returns ``(handle, session id)``.
     When its previous response is its session's latest turn (and the instructions are the same) it is that session's
     next turn; otherwise it starts a session with the whole conversation. (``store: false`` is a plain request of the
@@ -286,8 +316,15 @@ def submit(client, r: ResponsesRequest, gen, persist: bool, read: dict | None):
             if info is not None and not info["busy"] and len(info["messages"]) == len(prev.messages):
                 handle = client.submit_chat(prev.session_id, chat.messages[r.prefix:], gen, persist, tools, None,
                                             False, read)
+                live.touch(prev.session_id)
                 return handle, prev.session_id
-        sid = client.session_create(r.system)
+        live.shed(client, live.cap - 1)
+        try:
+            sid = client.session_create(r.system)
+        except OverCapacity:  # the registry is full of other sessions: give up ours, oldest first, then retry once
+            live.shed(client, 0)
+            sid = client.session_create(r.system)
+        live.touch(sid)
         start = 1 if r.system is not None else 0
         try:
             handle = client.submit_chat(sid, chat.messages[start:], gen, persist, tools, None, False, read)
