@@ -109,8 +109,7 @@ def _items(raw: Any, continuing: bool) -> list[dict]:
                 raise _bad("input", f"{where} (function_call) needs call_id, name and arguments (JSON text)")
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
-            if out and out[-1]["role"] == "assistant" and (out[-1].get("tool_calls") or out[-1]["content"]) \
-                    and (i > 0 and raw[i - 1].get("type", "message") in ("message", "function_call")):
+            if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)  # the same reply: its text, then its calls
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
