@@ -22,6 +22,7 @@ _PUBLIC = {
     "chat_template_ids": "inputs",
     "load_tokenizer": "startup",
     "pack_serving_layout": "startup",
+    "trim_heap": "heap",
 }
 
 __all__ = sorted(_PUBLIC)

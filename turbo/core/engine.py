@@ -34,7 +34,7 @@ from lite.formats.checkpoint import weight_files
 
 from ..config import EngineConfig, GenerationConfig
 from ..errors import EngineDead
-from . import inputs, speculative
+from . import heap, inputs, speculative
 from .counters import EngineCounters
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .guided import Guide, MaskJob
@@ -381,6 +381,8 @@ class EngineCore:
                 return False
         self.block_manager.register_full_blocks(seq.token_ids, seq.block_table, n)
         self.host_tier.counters[f"{tier}_hits"] += 1
+        del got
+        heap.trim_heap()  # the stored copy read back (tens of MB) was freed: give its pages back
         return True
 
     # --- what sessions and the loop build on -------------------------------------------------------------

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from lite.formats import LiteturboError, make_dirs
 
+from ..core import trim_heap
 from ..errors import Conflict, InvalidRequest, NotFound, OverCapacity
 from ..session import Session
 from ..session_ids import new_session_id, session_id_problem
@@ -171,6 +172,7 @@ class SessionRegistry:
         try:
             s.save(self.session_dir / sid, include_kv=True)
             stamp, saved = self._stamp(sid), True
+            trim_heap()  # the exported KV (tens of MB) was freed: its pages go back, not into the heap's fragments
         except Exception as e:  # noqa: BLE001 - persistence must not take the server down
             warnings.warn(f"could not save session {sid} to {self.session_dir}: {e}", stacklevel=2)
         finally:

@@ -108,6 +108,40 @@ def _tool_choice(c: Any) -> tuple[Any, bool | None]:
     return choice, None if off is None else not off
 
 
+def _blocks(content: list, where: str, role: str, open_ids: list[str]) -> tuple[list, list, list]:
+    """(texts, tool calls, tool messages) of one message's content blocks; a ``tool_result`` must answer one of
+    ``open_ids`` (removed from it once answered)."""
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        bw = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("id"), str) or not block["id"] or not isinstance(block.get("name"), str):
+                raise _bad(bw, "(tool_use) needs a non-empty 'id' and the tool's 'name'")
+            if not isinstance(block.get("input"), dict):
+                raise _bad(f"{bw}.input", "must be the call's input as a JSON object")
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
+        elif kind == "tool_result" and role == "user":
+            tid = block.get("tool_use_id")
+            if not isinstance(tid, str) or tid not in open_ids:
+                made = f"its tool_use ids are {', '.join(open_ids)}" if open_ids else "it made no tool_use"
+                raise _bad(f"{bw}.tool_use_id", f"{json.dumps(tid)[:80]} does not answer a tool_use of the "
+                                                f"assistant message just before ({made}); a tool_result must "
+                                                f"follow the assistant message whose tool_use it answers")
+            open_ids.remove(tid)
+            text = _text_of(block.get("content", ""), f"{bw}.content")
+            results.append({"role": "tool", "tool_call_id": tid,
+                            "content": f"Error: {text}" if block.get("is_error") else text})
+        elif kind not in ("thinking", "redacted_thinking") or role != "assistant":  # past reasoning: not shown
+            what = json.dumps(kind)[:40] if kind else "a block without a known type"
+            raise _bad(bw, f"is {what} in a {role} message: this server reads text blocks, tool_use blocks "
+                           f"(assistant) and tool_result blocks (user); images and documents are not supported")
+    return texts, calls, results
+
+
 def _messages(raw: Any) -> list[dict]:
     """Messages as chat completion messages; every ``tool_result`` must answer a ``tool_use`` of the assistant
     message just before (400 naming the block otherwise)."""
@@ -128,37 +162,7 @@ def _messages(raw: Any) -> list[dict]:
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
             raise _bad(f"{where}.content", "must be a string or a list of content blocks")
-        texts, calls, results = [], [], []
-        for j, block in enumerate(content):
-            bw = f"{where}.content[{j}]"
-            kind = block.get("type") if isinstance(block, dict) else None
-            if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
-            elif kind == "tool_use" and m["role"] == "assistant":
-                if not isinstance(block.get("id"), str) or not block["id"] or not isinstance(block.get("name"), str):
-                    raise _bad(bw, "(tool_use) needs a non-empty 'id' and the tool's 'name'")
-                if not isinstance(block.get("input"), dict):
-                    raise _bad(f"{bw}.input", "must be the call's input as a JSON object")
-                calls.append({"id": block["id"], "type": "function",
-                              "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
-            elif kind == "tool_result" and m["role"] == "user":
-                tid = block.get("tool_use_id")
-                if not isinstance(tid, str) or tid not in open_ids:
-                    made = f"its tool_use ids are {', '.join(open_ids)}" if open_ids else "it made no tool_use"
-                    raise _bad(f"{bw}.tool_use_id", f"{json.dumps(tid)[:80]} does not answer a tool_use of the "
-                                                    f"assistant message just before ({made}); a tool_result must "
-                                                    f"follow the assistant message whose tool_use it answers")
-                open_ids.remove(tid)
-                text = _text_of(block.get("content", ""), f"{bw}.content")
-                if block.get("is_error"):
-                    text = f"Error: {text}"
-                results.append({"role": "tool", "tool_call_id": tid, "content": text})
-            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-                continue  # earlier reasoning: not shown to a model without a reasoning format
-            else:
-                what = json.dumps(kind)[:40] if kind else "a block without a known type"
-                raise _bad(bw, f"is {what} in a {m['role']} message: this server reads text blocks, tool_use blocks "
-                               f"(assistant) and tool_result blocks (user); images and documents are not supported")
+        texts, calls, results = _blocks(content, where, m["role"], open_ids)
         if m["role"] == "assistant":
             open_ids = [c["id"] for c in calls]
             msg: dict = {"role": "assistant", "content": "".join(texts)}
@@ -174,6 +178,36 @@ def _messages(raw: Any) -> list[dict]:
         if texts:
             out.append({"role": "user", "content": "\n".join(texts)})
     return out
+
+
+def _options(data: dict, body: dict) -> None:
+    """Move the Messages options in ``data`` (stop_sequences, temperature's range, metadata, tools, tool_choice)
+    into the chat request ``body``."""
+    if "stop_sequences" in data:
+        stops = data.pop("stop_sequences")
+        if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)):
+            raise _bad("stop_sequences", "must be a list of non-empty strings")
+        if stops:
+            body["stop"] = stops
+    temperature = data.get("temperature")
+    if temperature is not None and (not protocol._is_num(temperature) or not 0 <= temperature <= 1):
+        raise _bad("temperature", f"must be a number in [0, 1], got {json.dumps(temperature)[:40]}")
+    meta = data.pop("metadata", None)
+    if meta is not None:
+        if not isinstance(meta, dict) or set(meta) - {"user_id"}:
+            raise _bad("metadata", "must be {\"user_id\": \"...\"}")
+        if meta.get("user_id") is not None:
+            body["user"] = meta["user_id"]
+    tools = data.pop("tools", None)
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("tools", "must be a list of tools {\"name\", \"description\", \"input_schema\"}")
+        body["tools"] = [_tool(i, t) for i, t in enumerate(tools)]
+    choice, parallel = _tool_choice(data.pop("tool_choice", None))
+    if choice is not None and (choice != "none" or tools):
+        body["tool_choice"] = choice
+    if parallel is not None and tools:
+        body["parallel_tool_calls"] = parallel
 
 
 def translate(data: dict, count_only: bool = False) -> dict:
@@ -210,31 +244,7 @@ def translate(data: dict, count_only: bool = False) -> dict:
             raise _bad("output_config.format", "must be {\"type\": \"json_schema\", \"schema\": {...}}")
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"],
                                                                           "strict": True}}
-    if "stop_sequences" in data:
-        stops = data.pop("stop_sequences")
-        if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)):
-            raise _bad("stop_sequences", "must be a list of non-empty strings")
-        if stops:
-            body["stop"] = stops
-    temperature = data.get("temperature")
-    if temperature is not None and (not protocol._is_num(temperature) or not 0 <= temperature <= 1):
-        raise _bad("temperature", f"must be a number in [0, 1], got {json.dumps(temperature)[:40]}")
-    meta = data.pop("metadata", None)
-    if meta is not None:
-        if not isinstance(meta, dict) or set(meta) - {"user_id"}:
-            raise _bad("metadata", "must be {\"user_id\": \"...\"}")
-        if meta.get("user_id") is not None:
-            body["user"] = meta["user_id"]
-    tools = data.pop("tools", None)
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise _bad("tools", "must be a list of tools {\"name\", \"description\", \"input_schema\"}")
-        body["tools"] = [_tool(i, t) for i, t in enumerate(tools)]
-    choice, parallel = _tool_choice(data.pop("tool_choice", None))
-    if choice is not None and (choice != "none" or tools):
-        body["tool_choice"] = choice
-    if parallel is not None and tools:
-        body["parallel_tool_calls"] = parallel
+    _options(data, body)
     for name in ("model", "max_tokens", "stream", "temperature", "top_p", "top_k"):
         if name in data:
             body[name] = data.pop(name)

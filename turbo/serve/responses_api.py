@@ -198,6 +198,32 @@ class ResponsesRequest:
     echo: dict = field(default_factory=dict)
 
 
+def _chat_body(data: dict, messages: list[dict]) -> tuple[dict, dict, list | None, Any]:
+    """(the chat request body of the options left in ``data`` around ``messages``, the response's ``text`` echo, the
+    chat tools, the chat tool_choice); 400 naming a field the API has but this server does not read."""
+    body: dict[str, Any] = {"messages": messages}
+    fmt, text_echo = _format(data.pop("text", None))
+    if fmt is not None:
+        body["response_format"] = fmt
+    tools = _tools(data.pop("tools", None))
+    if tools:
+        body["tools"] = tools
+    choice = _tool_choice(data.pop("tool_choice", None))
+    if choice is not None and (tools or choice != "none"):
+        body["tool_choice"] = choice
+    if "max_output_tokens" in data:
+        body["max_tokens"] = data.pop("max_output_tokens")
+    for name in ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "user"):
+        if name in data:
+            body[name] = data.pop(name)
+    if data:
+        unknown = sorted(data)
+        raise APIError(400, f"unrecognized field{'s' if len(unknown) > 1 else ''} "
+                            f"{', '.join(repr(u) for u in unknown)} in a responses request (docs/serving.md, "
+                            f"\"Responses\")", param=unknown[0], code="unsupported_field")
+    return body, text_echo, tools, choice
+
+
 def read_request(data: dict, model_id: str, store: ResponseStore) -> ResponsesRequest:
     """A ``POST /v1/responses`` body (400 naming the field; 404 for an unknown ``previous_response_id``)."""
     data = dict(data)
@@ -232,26 +258,7 @@ def read_request(data: dict, model_id: str, store: ResponseStore) -> ResponsesRe
     if new[0]["role"] == "system" and head:
         raise _bad("input", "give the system prompt once: as 'instructions' or as the first input message")
     messages = head + history + new
-    body: dict[str, Any] = {"messages": messages}
-    fmt, text_echo = _format(data.pop("text", None))
-    if fmt is not None:
-        body["response_format"] = fmt
-    tools = _tools(data.pop("tools", None))
-    if tools:
-        body["tools"] = tools
-    choice = _tool_choice(data.pop("tool_choice", None))
-    if choice is not None and (tools or choice != "none"):
-        body["tool_choice"] = choice
-    if "max_output_tokens" in data:
-        body["max_tokens"] = data.pop("max_output_tokens")
-    for name in ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "user"):
-        if name in data:
-            body[name] = data.pop(name)
-    if data:
-        unknown = sorted(data)
-        raise APIError(400, f"unrecognized field{'s' if len(unknown) > 1 else ''} "
-                            f"{', '.join(repr(u) for u in unknown)} in a responses request (docs/serving.md, "
-                            f"\"Responses\")", param=unknown[0], code="unsupported_field")
+    body, text_echo, tools, choice = _chat_body(data, messages)
     chat = protocol.read_chat(body, model_id)
     echo = {"instructions": system, "metadata": meta or {}, "previous_response_id": prev_id, "store": keep,
             "text": text_echo, "tools": [dict(type="function", **t["function"]) for t in tools or []],
@@ -383,67 +390,92 @@ class Answer:
             store.put(self.id, StoredResponse(body, self.r.messages + [message], self.session_id, self.r.system))
 
 
-def _event(seq: list[int], kind: str, **data) -> str:
-    seq[0] += 1
-    return f"event: {kind}\ndata: {json.dumps(dict(type=kind, sequence_number=seq[0] - 1, **data), ensure_ascii=False)}\n\n"
+class _OutputEvents:
+    """The typed events of one streamed reply's output items: its text (one ``message`` item) and its calls (a
+    ``function_call`` item each), numbered by ``sequence_number``."""
+
+    def __init__(self, a: Answer) -> None:
+        self.a, self.seq = a, 0
+        self.text: list[str] = []
+        self.index, self.open_text = 0, False  # the next output index; a message item is open
+        self.calls: dict[int, dict] = {}  # the reply's calls by their index in the reply: {"call", "output_index"}
+
+    def event(self, kind: str, **data) -> str:
+        self.seq += 1
+        body = dict(type=kind, sequence_number=self.seq - 1, **data)
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def close_text(self) -> list[str]:
+        """The events that end the open message item (none when no text is open)."""
+        if not self.open_text:
+            return []
+        a, t, i = self.a, "".join(self.text), self.index
+        part = {"type": "output_text", "text": t, "annotations": [], "logprobs": []}
+        self.open_text, self.index = False, i + 1
+        return [self.event("response.output_text.done", item_id=a.msg_id, output_index=i, content_index=0, text=t,
+                           logprobs=[]),
+                self.event("response.content_part.done", item_id=a.msg_id, output_index=i, content_index=0, part=part),
+                self.event("response.output_item.done", output_index=i, item=a.text_item(t, "completed"))]
+
+    def text_delta(self, piece: str) -> list[str]:
+        a, ev = self.a, []
+        if not self.open_text:
+            self.open_text = True
+            ev += [self.event("response.output_item.added", output_index=self.index,
+                              item=dict(a.text_item("", "in_progress"), content=[])),
+                   self.event("response.content_part.added", item_id=a.msg_id, output_index=self.index,
+                              content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                     "logprobs": []})]
+        self.text.append(piece)
+        return ev + [self.event("response.output_text.delta", item_id=a.msg_id, output_index=self.index,
+                                content_index=0, delta=piece, logprobs=[])]
+
+    def call_delta(self, c: dict) -> list[str]:
+        """A tool reader's call delta (its id and name first, then its arguments)."""
+        a, ev = self.a, []
+        if "id" in c:
+            ev += self.close_text()
+            call = {"id": c["id"], "function": {"name": c["function"]["name"], "arguments": ""}}
+            self.calls[c["index"]] = {"call": call, "output_index": self.index + len(self.calls)}
+            ev.append(self.event("response.output_item.added", output_index=self.calls[c["index"]]["output_index"],
+                                 item=a.call_item(call, "in_progress")))
+        entry, delta = self.calls[c["index"]], c["function"].get("arguments") or ""
+        if delta:
+            entry["call"]["function"]["arguments"] += delta
+            ev.append(self.event("response.function_call_arguments.delta", item_id=a.fc_id(entry["call"]["id"]),
+                                 output_index=entry["output_index"], delta=delta))
+        return ev
+
+    def deltas(self, deltas: list[dict]) -> list[str]:
+        """The events of a tool reader's deltas (or ``[{"content": piece}]`` without one)."""
+        ev: list[str] = []
+        for d in deltas:
+            if d.get("content"):
+                ev += self.text_delta(d["content"])
+            for c in d.get("tool_calls", ()):
+                ev += self.call_delta(c)
+        return ev
+
+    def finish(self) -> list[str]:
+        """The events that end every open item."""
+        ev = self.close_text()
+        for entry in self.calls.values():
+            call = entry["call"]
+            ev += [self.event("response.function_call_arguments.done", item_id=self.a.fc_id(call["id"]),
+                              output_index=entry["output_index"], arguments=call["function"]["arguments"]),
+                   self.event("response.output_item.done", output_index=entry["output_index"],
+                              item=self.a.call_item(call))]
+        return ev
 
 
 async def _events(a: Answer, handle, store: ResponseStore) -> AsyncIterator[str]:
-    job, seq = a.job, [0]
+    job, out_ev, stopped = a.job, _OutputEvents(a), False
     reader = job.tool_parser.streamer(job.tools.max_calls, job.call_id_prefix) if job.tool_parser is not None else None
-    text, index, open_text, stopped = [], 0, False, False
-    calls: dict[int, dict] = {}  # the reply's calls by their index in the reply: {"call", "output_index"}
     try:
-        yield _event(seq, "response.created", response=a.base("in_progress", [], None))
-        yield _event(seq, "response.in_progress", response=a.base("in_progress", [], None))
-
-        def close_text() -> list[str]:
-            nonlocal open_text, index
-            if not open_text:
-                return []
-            t = "".join(text)
-            part = {"type": "output_text", "text": t, "annotations": [], "logprobs": []}
-            ev = [_event(seq, "response.output_text.done", item_id=a.msg_id, output_index=index, content_index=0,
-                         text=t, logprobs=[]),
-                  _event(seq, "response.content_part.done", item_id=a.msg_id, output_index=index, content_index=0,
-                         part=part),
-                  _event(seq, "response.output_item.done", output_index=index, item=a.text_item(t, "completed"))]
-            open_text, index = False, index + 1
-            return ev
-
-        def items(deltas: list[dict]) -> list[str]:
-            nonlocal open_text
-            ev: list[str] = []
-            for d in deltas:
-                if d.get("content"):
-                    if not open_text:
-                        open_text = True
-                        ev += [_event(seq, "response.output_item.added", output_index=index,
-                                      item=dict(a.text_item("", "in_progress"), content=[])),
-                               _event(seq, "response.content_part.added", item_id=a.msg_id, output_index=index,
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                             "logprobs": []})]
-                    text.append(d["content"])
-                    ev.append(_event(seq, "response.output_text.delta", item_id=a.msg_id, output_index=index,
-                                     content_index=0, delta=d["content"], logprobs=[]))
-                for c in d.get("tool_calls", ()):
-                    if "id" in c:
-                        ev += close_text()
-                        call = {"id": c["id"], "function": {"name": c["function"]["name"], "arguments": ""}}
-                        calls[c["index"]] = {"call": call, "output_index": index + len(calls)}
-                        ev.append(_event(seq, "response.output_item.added", output_index=calls[c["index"]]["output_index"],
-                                         item=a.call_item(call, "in_progress")))
-                    entry = calls[c["index"]]
-                    delta = c["function"].get("arguments") or ""
-                    if delta:
-                        entry["call"]["function"]["arguments"] += delta
-                        ev.append(_event(seq, "response.function_call_arguments.delta",
-                                         item_id=a.fc_id(entry["call"]["id"]), output_index=entry["output_index"],
-                                         delta=delta))
-            return ev
-
+        yield out_ev.event("response.created", response=a.base("in_progress", [], None))
+        yield out_ev.event("response.in_progress", response=a.base("in_progress", [], None))
         async for piece in handle:
-            for e in items(reader.feed(piece) if reader is not None else [{"content": piece}]):
+            for e in out_ev.deltas(reader.feed(piece) if reader is not None else [{"content": piece}]):
                 yield e
             if reader is not None and reader.repeated and not stopped:
                 stopped = True
@@ -451,23 +483,16 @@ async def _events(a: Answer, handle, store: ResponseStore) -> AsyncIterator[str]
         out = handle.output
         if out.finish_reason == "cancelled" and not stopped:
             raise cancelled_error()
-        if reader is not None:
-            for e in items(reader.finish(cut=out.finish_reason == "length")):
-                yield e
-        for e in close_text():
+        ends = out_ev.deltas(reader.finish(cut=out.finish_reason == "length")) if reader is not None else []
+        for e in ends + out_ev.finish():
             yield e
-        for entry in calls.values():
-            call = entry["call"]
-            yield _event(seq, "response.function_call_arguments.done", item_id=a.fc_id(call["id"]),
-                         output_index=entry["output_index"], arguments=call["function"]["arguments"])
-            yield _event(seq, "response.output_item.done", output_index=entry["output_index"], item=a.call_item(call))
         body, message = a.body(out)
         a.record(store, body, message)
-        yield _event(seq, "response.completed" if body["status"] == "completed" else "response.incomplete",
-                     response=body)
+        yield out_ev.event("response.completed" if body["status"] == "completed" else "response.incomplete",
+                           response=body)
     except Exception as e:  # noqa: BLE001 - after the 200 went out, an error is one event in the stream
         err = engine_error(e)
-        yield _event(seq, "error", code=err.code, message=err.message, param=err.param)
+        yield out_ev.event("error", code=err.code, message=err.message, param=err.param)
     finally:
         if handle.output is None:  # the client went away (or the error ended it): free its blocks
             handle.cancel()
