@@ -165,8 +165,7 @@ def test_bad_bodies_name_the_field(body, needle):
 def test_output_config_format_gives_valid_json(client):
     pet = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
            "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
-    msg = client.messages.create(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "A pet as JSON."}],
-                                 output_config={"format": {"type": "json_schema", "schema": pet}},
-                                 extra_body={"temperature": 0.7})
+    msg = client.messages.create(model=MODEL, max_tokens=80, messages=[{"role": "user", "content": "A pet as JSON."}],
+                                 output_config={"format": {"type": "json_schema", "schema": pet}}, extra_body=GREEDY)
     assert msg.stop_reason == "end_turn"
     jsonschema.validate(json.loads(msg.content[0].text), pet)
