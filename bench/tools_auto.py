@@ -64,6 +64,7 @@ MARKUP = ("<tool_call", "</tool_call", "[TOOL_CALLS]", "<|python_tag|>")
 
 
 def request(rng: random.Random) -> dict:
+    """One random chat completion body with tools under ``tool_choice: "auto"`` (see the module docstring)."""
     tools = rng.sample(POOL, rng.randint(1, 4))
     return {"messages": [{"role": "user", "content": rng.choice(ASKS)}],
             "tools": [{"type": "function", "function": {"name": n, "description": d, "parameters": p}}
@@ -98,6 +99,7 @@ def problem(req: dict, choice) -> str | None:
 
 
 def main() -> None:
+    """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--model", default="smollm2-135m-instruct")

@@ -50,6 +50,7 @@ class ReasoningParser:
         self.name = name
 
     def streamer(self, prompt_open: bool) -> "ReasoningStreamer":
+        """A reader of one streamed reply (``prompt_open``: the prompt opened the reasoning block)."""
         return ReasoningStreamer(prompt_open)
 
     def split(self, text: str, prompt_open: bool) -> tuple[str | None, str | None]:
@@ -73,6 +74,7 @@ class ReasoningStreamer:
         self.answered = False
 
     def feed(self, piece: str) -> list[dict]:
+        """The deltas that ``piece`` makes ready (text that may start a marker is held back)."""
         self.buf += piece
         out: list[dict] = []
         while True:

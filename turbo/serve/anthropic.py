@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator
 
 from ..http_errors import APIError
 from . import protocol
-from .responses import EventStream, Job, cancelled_error, engine_error
+from .responses import EventStream, Job, ReplyDeltas, engine_error, sse_response
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
@@ -312,8 +312,7 @@ def _event(kind: str, data: dict) -> str:
 
 
 async def _events(job: Job, handle, stops: list[str], tokenizer, input_tokens: int) -> AsyncIterator[str]:
-    reader = job.tool_parser.streamer(job.tools.max_calls) if job.tool_parser is not None else None
-    index, open_block, called, stopped = 0, None, False, False  # open_block: None, "text" or "tool_use"
+    index, open_block, called = 0, None, False  # open_block: None, "text" or "tool_use"
     try:
         yield _event("message_start", {"message": {
             "id": job.id, "type": "message", "role": "assistant", "model": job.model, "content": [],
@@ -349,18 +348,11 @@ async def _events(job: Job, handle, stops: list[str], tokenizer, input_tokens: i
                         "type": "text_delta", "text": d["content"]}}))
             return events
 
-        async for piece in handle:
-            for e in blocks(reader.feed(piece) if reader is not None else [{"content": piece}]):
+        deltas = ReplyDeltas(job, handle)
+        async for ds in deltas:
+            for e in blocks(ds):
                 yield e
-            if reader is not None and reader.repeated and not stopped:
-                stopped = True
-                handle.cancel("stop")
-        out = handle.output
-        if out.finish_reason == "cancelled" and not stopped:
-            raise cancelled_error()
-        if reader is not None:
-            for e in blocks(reader.finish(cut=out.finish_reason == "length")):
-                yield e
+        out, stopped = handle.output, deltas.stopped
         if open_block:
             yield _event("content_block_stop", {"index": index})
         reason, seq = _stop(out, stops, tokenizer, called, stopped)
@@ -376,5 +368,4 @@ async def _events(job: Job, handle, stops: list[str], tokenizer, input_tokens: i
 def event_stream(job: Job, handle, stops: list[str], tokenizer, input_tokens: int) -> EventStream:
     """The streamed answer of a Messages request: Anthropic's typed server-sent events (``input_tokens``: the
     prompt's length, for ``message_start``; the final usage is in ``message_delta``)."""
-    return EventStream([handle], _events(job, handle, stops, tokenizer, input_tokens), media_type="text/event-stream",
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse_response([handle], _events(job, handle, stops, tokenizer, input_tokens))

@@ -277,6 +277,37 @@ async def _events(job: Job, handles: list[RequestHandle], tokens: Tokens) -> Asy
     yield DONE
 
 
+class ReplyDeltas:
+    """One streamed chat reply read for tool calls, for the endpoints that shape their own events (Anthropic's
+    Messages, the Responses API): :meth:`__aiter__` yields each piece's deltas (``{"content"}`` / ``{"tool_calls"}``,
+    as :class:`~turbo.tool_parsers.ToolStreamer` gives them; ``[{"content": piece}]`` without tools), stops the
+    generation at a repeated call (``stopped``), raises the 503 of a request the server cancelled, and ends with the
+    reader's last deltas."""
+
+    def __init__(self, job: Job, handle: RequestHandle) -> None:
+        self.handle, self.stopped = handle, False
+        self.reader = job.tool_parser.streamer(job.tools.max_calls, job.call_id_prefix) \
+            if job.tool_parser is not None else None
+
+    async def __aiter__(self):
+        reader, handle = self.reader, self.handle
+        async for piece in handle:
+            yield reader.feed(piece) if reader is not None else [{"content": piece}]
+            if reader is not None and reader.repeated and not self.stopped:
+                self.stopped = True
+                handle.cancel("stop")
+        if handle.output.finish_reason == "cancelled" and not self.stopped:
+            raise cancelled_error()
+        if reader is not None:
+            yield reader.finish(cut=handle.output.finish_reason == "length")
+
+
+def sse_response(handles: list[RequestHandle], events: AsyncIterator[str]) -> "EventStream":
+    """A server-sent-event response of ``events`` that cancels ``handles``' requests however it ends."""
+    return EventStream(handles, events, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 class EventStream(StreamingResponse):
     """A server-sent-event response that cancels its requests however it ends, even when the client went away
     before the first event (then the event generator never starts, so its own ``finally`` never runs)."""
@@ -296,5 +327,4 @@ class EventStream(StreamingResponse):
 
 def event_stream(job: Job, handles: list[RequestHandle], tokens: Tokens) -> EventStream:
     """The streamed answer of ``job``: its server-sent events as they are generated (one choice per handle)."""
-    return EventStream(handles, _events(job, handles, tokens), media_type="text/event-stream",
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse_response(handles, _events(job, handles, tokens))

@@ -42,7 +42,7 @@ from ..errors import Conflict, NotFound, OverCapacity
 from ..http_errors import APIError
 from . import protocol
 from .response_store import ResponseStore, StoredResponse
-from .responses import EventStream, Job, cancelled_error, engine_error
+from .responses import EventStream, Job, ReplyDeltas, engine_error, sse_response
 
 _REFUSED = {  # field -> (harmless value test, why)
     "background": (lambda v: v is False, "background responses are not implemented; wait for the answer or stream it"),
@@ -288,6 +288,7 @@ class ResponseSessions:
         self.order: "collections.OrderedDict[str, None]" = collections.OrderedDict()
 
     def touch(self, sid: str) -> None:
+        """Mark session ``sid`` as used now (the most recent)."""
         self.order[sid] = None
         self.order.move_to_end(sid)
 
@@ -469,21 +470,14 @@ class _OutputEvents:
 
 
 async def _events(a: Answer, handle, store: ResponseStore) -> AsyncIterator[str]:
-    job, out_ev, stopped = a.job, _OutputEvents(a), False
-    reader = job.tool_parser.streamer(job.tools.max_calls, job.call_id_prefix) if job.tool_parser is not None else None
+    job, out_ev = a.job, _OutputEvents(a)
     try:
         yield out_ev.event("response.created", response=a.base("in_progress", [], None))
         yield out_ev.event("response.in_progress", response=a.base("in_progress", [], None))
-        async for piece in handle:
-            for e in out_ev.deltas(reader.feed(piece) if reader is not None else [{"content": piece}]):
+        async for ds in ReplyDeltas(job, handle):
+            for e in out_ev.deltas(ds):
                 yield e
-            if reader is not None and reader.repeated and not stopped:
-                stopped = True
-                handle.cancel("stop")
-        out = handle.output
-        if out.finish_reason == "cancelled" and not stopped:
-            raise cancelled_error()
-        ends = out_ev.deltas(reader.finish(cut=out.finish_reason == "length")) if reader is not None else []
+        out, ends = handle.output, []
         for e in ends + out_ev.finish():
             yield e
         body, message = a.body(out)
@@ -501,5 +495,4 @@ async def _events(a: Answer, handle, store: ResponseStore) -> AsyncIterator[str]
 def event_stream(a: Answer, handle, store: ResponseStore) -> EventStream:
     """The streamed answer of a response: the Responses API's typed server-sent events; the response is stored when
     it ends."""
-    return EventStream([handle], _events(a, handle, store), media_type="text/event-stream",
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse_response([handle], _events(a, handle, store))
