@@ -4,6 +4,7 @@ distribution and by what the served replies do.
     python bench/fidelity.py [--model smollm2-135m-instruct] [--checkpoints 16-bit,rtn,gptq,auto-awq,gptq-e2e]
                              [--kv auto,int8,int4,int4-rotated] [--max-windows 40] [--prompts 20] [--work DIR [--reuse]]
                              [--json]
+    python bench/fidelity.py --table RUN.jsonl      # the markdown table of a run's JSON lines (docs/quantization.md)
 
 Rows: every checkpoint with the ``auto`` KV cache (the compute dtype), and the ``16-bit`` and ``rtn`` checkpoints with
 every ``--kv`` dtype too (``int8`` and ``int4`` plain per-token, ``int4-rotated`` the Hadamard-rotated int4 cache,
@@ -229,6 +230,30 @@ def task_scores(engine, prompts: int, ref_greedy: list[str] | None) -> tuple[dic
     return row, replies
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """The docs' table of a run's rows (``--table``): the gaps are shares of the ``rtn`` row's perplexity gap to the
+    ``16-bit`` row's (auto KV), as docs/quantization.md states them."""
+    ref = next(r for r in rows if r["checkpoint"] == "16-bit" and r["kv"] == "auto")
+    rtn = next((r for r in rows if r["checkpoint"] == "rtn" and r["kv"] == "auto"), None)
+
+    def gap(r, key):
+        if rtn is None or rtn[key] == ref[key]:
+            return ""
+        return f" ({100 * (r[key] - ref[key]) / (rtn[key] - ref[key]):.0f} %)"
+    head = ("| checkpoint | KV | KL mean | KL p99 | top-1 | PPL WikiText-2 (gap) | PPL zh (gap) | schema | tools | "
+            "chain | greedy 32 | quantize |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        q = "" if r.get("quantize_seconds") is None else f"{r['quantize_seconds']:.1f} s"
+        n = r.get("prompts", "")
+        lines.append(f"| {r['checkpoint']} | {r['kv']} | {r['kl_mean']:.4f} | {r['kl_p99']:.3f} | "
+                     f"{r['top1_agree']:.3f} | {r['ppl_wikitext2']:.2f}{gap(r, 'ppl_wikitext2')} | "
+                     f"{r['ppl_zh']:.2f}{gap(r, 'ppl_zh')} | {r.get('schema_valid', '')}/{n} | "
+                     f"{r.get('tools_valid', '')}/{n} | {r.get('toolchain_ok', '')}/{len(CHAINS)} | "
+                     f"{r.get('greedy_agree_32', '')}/{n} | {q} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -241,7 +266,11 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="folder for the checkpoints (default: a temporary one)")
     ap.add_argument("--reuse", action="store_true", help="reuse checkpoints already in --work")
     ap.add_argument("--json", action="store_true", help="JSON lines only")
+    ap.add_argument("--table", metavar="JSONL", help="print the markdown table of a finished run's JSON lines, and exit")
     args = ap.parse_args()
+    if args.table:
+        print(markdown_table([json.loads(x) for x in Path(args.table).read_text().splitlines() if x.strip()]))
+        return
     import calib_data
     from turbo import Engine
 

@@ -1,4 +1,4 @@
-"""The agents' API end to end through HTTP (turbo/serve/answer.py, structured.py, tools.py, tool_parsers.py,
+"""The agents' API end to end through HTTP (turbo/serve/answer.py, structured.py, tools.py, tool_parsers/,
 logprobs.py): ``n`` > 1 choices (seeds, streams, usage, a shared prefill), structured outputs (json_schema, json_object,
 vLLM's guided_* and structured_outputs, the token limit, a session turn, logprobs under a constraint), tool calls
 (required, named, none, tool messages, parallel_tool_calls, a repeated call), and the same across the engine process

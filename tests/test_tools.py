@@ -1,4 +1,4 @@
-"""Tool calling (turbo/serve/tools.py, turbo/tool_parsers.py): request checks, tool messages, the prompt,
+"""Tool calling (turbo/serve/tools.py, turbo/tool_parsers/, turbo/serve/tool_grammar.py): request checks, tool messages, the prompt,
 the three reply formats whole and streamed (joined by the openai client's own stream accumulator), the grammar
 that forces a call (checked with llguidance on SmolLM2's tokenizer, the arguments checked with jsonschema), and the
 finish reason."""
@@ -16,6 +16,8 @@ from turbo.errors import InvalidRequest
 from turbo.http_errors import APIError
 from turbo.serve import protocol, tools
 from turbo.tool_parsers import ToolParser
+
+from tool_format_cases import assert_stream_equals_parse, compact, consumes, matcher, openai_join, stream  # noqa: E402,F401
 
 llguidance = pytest.importorskip("llguidance")
 import llguidance.hf  # noqa: E402
@@ -261,10 +263,6 @@ def test_choose_parser_from_the_template_or_by_name(tok):
 
 # --- parsers --------------------------------------------------------------------------------------------------------
 
-def compact(v) -> str:
-    return json.dumps(v, separators=(",", ":"), ensure_ascii=False)
-
-
 def wrap(fmt: str, calls: list[tuple[str, str]], before: str = "", after: str = "") -> str:
     """A reply in ``fmt`` with ``calls`` (name, arguments JSON text as the model wrote it)."""
     key = "parameters" if fmt == "llama3_json" else "arguments"
@@ -274,46 +272,6 @@ def wrap(fmt: str, calls: list[tuple[str, str]], before: str = "", after: str = 
     if fmt == "mistral":
         return before + "[TOOL_CALLS] [" + ", ".join(objs) + "]" + after
     return "; ".join(objs) + after
-
-
-def openai_join(deltas: list[dict]):
-    """The message the openai client assembles from these deltas (its own stream accumulator)."""
-    from openai.lib.streaming.chat import ChatCompletionStreamState
-    from openai.types.chat import ChatCompletionChunk
-
-    state = ChatCompletionStreamState()
-    for i, d in enumerate([{"role": "assistant"}] + deltas + [{}]):
-        state.handle_chunk(ChatCompletionChunk.model_validate({
-            "id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
-            "choices": [{"index": 0, "delta": d, "finish_reason": "stop" if i == len(deltas) + 1 else None}]}))
-    return state.get_final_completion().choices[0].message
-
-
-def stream(fmt: str, text: str, rng: random.Random, max_calls=None) -> list[dict]:
-    s = ToolParser(fmt).streamer(max_calls)
-    out, i = [], 0
-    while i < len(text):
-        n = rng.choice((1, 1, 2, 3, 7, 20))
-        out += s.feed(text[i:i + n])
-        i += n
-    return out + s.finish()
-
-
-def assert_stream_equals_parse(fmt: str, text: str, rng: random.Random, max_calls=None):
-    content, calls = ToolParser(fmt).parse(text, max_calls)
-    deltas = stream(fmt, text, rng, max_calls)
-    msg = openai_join(deltas)
-    assert (msg.content or None) == (content or None), (text, deltas)
-    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls or []] == \
-        [(c.name, c.arguments) for c in calls]
-    for d in deltas:  # the shapes: content alone, or one call: a head with id/name, then argument fragments
-        assert set(d) in ({"content"}, {"tool_calls"}) and (d.get("content") or d.get("tool_calls"))
-        if "tool_calls" in d:
-            (c,) = d["tool_calls"]
-            assert set(c) in ({"index", "id", "type", "function"}, {"index", "function"})
-            if "id" in c:
-                assert re.fullmatch(r"call_[0-9a-f]{24}", c["id"]) and c["function"]["arguments"] == ""
-    return content, calls
 
 
 TRICKY_ARGS = [
@@ -478,19 +436,6 @@ def test_streamed_content_is_held_only_while_it_may_be_a_marker():
 
 
 # --- the grammar of a forced call ------------------------------------------------------------------------------------
-
-def matcher(lltok, grammar: str):
-    m = llguidance.LLMatcher(lltok, llguidance.grammar_from("lark", grammar))
-    assert not m.is_error(), m.get_error()
-    return m
-
-
-def consumes(tok, lltok, grammar: str, text: str) -> tuple[bool, bool, bool]:
-    """(every token of ``text`` accepted, the grammar complete, nothing more allowed)."""
-    m = matcher(lltok, grammar)
-    ok = m.consume_tokens(tok.encode(text, add_special_tokens=False)) and not m.is_error()
-    return ok, ok and m.is_accepting(), ok and m.is_stopped()
-
 
 def schema_ok(tool: dict, args: dict) -> bool:
     try:

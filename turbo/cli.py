@@ -23,6 +23,7 @@ from lite.formats.checkpoint import weight_files
 from lite.memory import quantize_fit
 
 from .cli_options import device_options as _device_options
+from .tool_parsers import PARSERS as TOOL_PARSERS
 from .cli_options import kv_options as _kv_options
 
 
@@ -291,7 +292,7 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
 @click.option("--speculative", default=0, show_default=True, type=click.IntRange(0, 16),
               help="Default draft tokens per step for greedy requests (prompt lookup from the request's own history; "
                    "a request's 'speculative' overrides it; 0: off). 2 is the fastest on a 2-core CPU.")
-@click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3_json", "mistral"]), default=None,
+@click.option("--tool-call-parser", type=click.Choice(list(TOOL_PARSERS)), default=None,
               help="The format the model writes tool calls in (default: the one its chat template writes, else "
                    "hermes, which the fallback tool prompt asks for).")
 @click.option("--reasoning-parser", type=click.Choice(["auto", "none", "deepseek_r1", "qwen3"]), default="auto",

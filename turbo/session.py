@@ -206,8 +206,10 @@ class Session:
         read = self._turn_reading
         if read is None:
             return {"role": "assistant", "content": reply}
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in self._turn_tools or []
+                   if isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)}
         content, calls = ToolParser(read["parser"]).parse(reply, read["max_calls"], out.finish_reason == "length",
-                                                          read["call_id_prefix"])
+                                                          read["call_id_prefix"], schemas)
         try:  # a call is complete JSON (turbo.tool_parsers); were one not, the turn is kept as text, never lost
             calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
                      for c in calls]

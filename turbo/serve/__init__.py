@@ -2,7 +2,7 @@
 ``create_app``, ``serve``), reading requests (:mod:`~turbo.serve.protocol`; structured outputs:
 :mod:`~turbo.serve.structured`), queueing and answering a request's choices (:mod:`~turbo.serve.answer`), response
 shapes and server-sent events (:mod:`~turbo.serve.responses`; log-probabilities: :mod:`~turbo.serve.logprobs`),
-tool calling (:mod:`~turbo.serve.tools`, :mod:`~turbo.tool_parsers` (with :mod:`~turbo.tool_json`, a level down: sessions read calls too)), Prometheus metrics (:mod:`~turbo.serve.metrics`) and the web chat
+tool calling (:mod:`~turbo.serve.tools`, :mod:`~turbo.serve.tool_grammar`, :mod:`~turbo.tool_parsers` (a level down: sessions read calls too)), Prometheus metrics (:mod:`~turbo.serve.metrics`) and the web chat
 page (``static/chat.html``). The engine it serves, and the registry of its sessions
 (:mod:`~turbo.engine_proc.sessions`), are reached through :mod:`turbo.engine_proc`.
 """

@@ -26,7 +26,8 @@ async def wait_all(request: Request, handles: list[RequestHandle], job: Job | No
     see :mod:`turbo.tool_parsers`)."""
     async def collect(handle):
         """``handle``'s output once it ends, stopping the reply (finish reason ``stop``) at a repeated tool call."""
-        reader = job.tool_parser.streamer(job.tools.max_calls) if job and job.tool_parser else None
+        reader = job.tool_parser.streamer(job.tools.max_calls, tools=job.tools.schemas) \
+            if job and job.tool_parser else None
         async for piece in handle:
             if reader is not None and not reader.repeated:
                 reader.feed(piece)

@@ -116,7 +116,7 @@ class Job:
             return dict(head, content=text), out.finish_reason
         # a call cut by max_tokens is dropped whole (no half call, no markup in the content)
         content, calls = self.tool_parser.parse(text, self.tools.max_calls, cut=out.finish_reason == "length",
-                                                call_id_prefix=self.call_id_prefix)
+                                                call_id_prefix=self.call_id_prefix, tools=self.tools.schemas)
         if not calls:
             return dict(head, content=content), out.finish_reason
         message = dict(head, content=content, tool_calls=[c.openai() for c in calls])
@@ -172,7 +172,7 @@ class _Choice:
         self.job, self.index, self.handle = job, index, handle
         self.sent = self.chars = 0  # tokens whose logprobs went out, characters of text that went out
         self.offsets = TextOffsets()  # at token `sent`
-        self.reader = job.tool_parser.streamer(job.tools.max_calls, job.call_id_prefix) \
+        self.reader = job.tool_parser.streamer(job.tools.max_calls, job.call_id_prefix, job.tools.schemas) \
             if job.tool_parser is not None else None
         self.thinking = job.reasoning.streamer(job.prompt_open) if job.reasoning is not None else None
         self.called = self.stopped = False  # stopped: the reply repeated a call, so its generation was stopped
@@ -286,7 +286,7 @@ class ReplyDeltas:
 
     def __init__(self, job: Job, handle: RequestHandle) -> None:
         self.handle, self.stopped = handle, False
-        self.reader = job.tool_parser.streamer(job.tools.max_calls, job.call_id_prefix) \
+        self.reader = job.tool_parser.streamer(job.tools.max_calls, job.call_id_prefix, job.tools.schemas) \
             if job.tool_parser is not None else None
 
     async def __aiter__(self):

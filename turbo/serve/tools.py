@@ -11,11 +11,11 @@ forces a call, and the finish reason. It follows OpenAI's semantics, and vLLM's 
   ``tool_choice: "none"`` the tools are still in the prompt (as vLLM does by default) but the reply is not read for
   calls (``ToolRequest.parses``).
 - :func:`choose_parser` picks the reply format from the chat template (or ``--tool-call-parser``); the parsers
-  are :mod:`turbo.tool_parsers` (:class:`ToolParser`, :class:`ToolCall` re-exported here).
-- :func:`call_grammar` is the Lark grammar (llguidance's dialect) that forces a call for ``tool_choice``
-  "required" or a named function: the parser's format around ``%json`` objects ``{"name": const, "arguments":
-  the tool's parameters schema}`` (rewritten by :mod:`turbo.serve.schema_walk`: refs rebased, objects closed); for
-  "auto" a lazy grammar: free text, and a call once its marker is written (so no reply is a malformed call).
+  are :mod:`turbo.tool_parsers` (one module per format behind a registry; :class:`ToolParser`, :class:`ToolCall`
+  re-exported here).
+- :func:`call_grammar` (:mod:`turbo.serve.tool_grammar`, re-exported here) is the grammar that forces a call in
+  the parser's format for ``tool_choice`` "required" or a named function, and for "auto" a lazy grammar: free text,
+  and a call once its marker is written (so no reply is a malformed call).
 - :func:`finish_reason` is ``"tool_calls"`` when a reply made calls.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Callable
 from .. import chat_render
 from ..chat_render import template_handles_tools, template_text  # noqa: F401 - this module's API too
 from ..http_errors import APIError
-from .schema_walk import close_objects, rebase_refs
+from .tool_grammar import call_grammar
 from ..tool_parsers import PARSERS, ToolCall, ToolParser, parser_for_template
 
 __all__ = ["Tool", "ToolRequest", "read_tools", "read_tool_message", "link_tool_messages", "render_prompt",
@@ -37,16 +37,13 @@ __all__ = ["Tool", "ToolRequest", "read_tools", "read_tool_message", "link_tool_
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
-# the JSON inside a forced call: "name": "f", "arguments": {...} with a space or none after ':' and ',' (as
-# json.dumps and compact JSON write it), and no other whitespace, so that a model cannot pad it forever
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
 
 
 def choose_parser(tokenizer, explicit: str | None = None) -> str:
     """The tool-call format of a model: ``explicit`` when given (``--tool-call-parser``; an unknown name raises a
     :class:`~lite.formats.LiteturboError` listing ``PARSERS``), else the one its chat template writes
-    (``<tool_call>`` → hermes, ``[TOOL_CALLS]`` → mistral, ``<|python_tag|>`` → llama3_json), else hermes (what
-    the fallback prompt of templates without tools asks for)."""
+    (:func:`turbo.tool_parsers.parser_for_template`), else hermes (what the fallback prompt of templates without
+    tools asks for)."""
     if explicit is not None:
         return ToolParser(explicit).name
     return parser_for_template(template_text(tokenizer))
@@ -93,6 +90,11 @@ class ToolRequest:
     def openai(self) -> list[dict]:
         """The tools as OpenAI's ``tools`` list (what chat templates take)."""
         return [t.openai() for t in self.tools]
+
+    @property
+    def schemas(self) -> dict[str, dict]:
+        """``{name: parameters schema}``: what a parser that types arguments by the schema reads (qwen3_xml)."""
+        return {t.name: t.parameters for t in self.tools}
 
 
 def _bad(param: str, what: str) -> APIError:
@@ -268,94 +270,6 @@ def link_tool_messages(messages: list[dict]) -> None:
 def render_prompt(tokenizer, messages: list[dict], tools: ToolRequest | None = None) -> str:
     """:func:`turbo.chat_render.render_prompt` with a request's tools (the fallback rendering is described there)."""
     return chat_render.render_prompt(tokenizer, messages, tools.openai() if tools else None)
-
-
-# --- the grammar of a forced call -----------------------------------------------------------------------------------
-
-def _marker(text: str, tokenizer) -> str:
-    """A marker in Lark: the special token's id (``<[id]>``) when the tokenizer has it as one special token (its
-    bytes then never match text), else the string."""
-    if tokenizer is not None:
-        tid = tokenizer.get_added_vocab().get(text) if hasattr(tokenizer, "get_added_vocab") else None
-        special = getattr(getattr(tokenizer, "added_tokens_decoder", {}).get(tid), "special", False)
-        if tid is not None and (special or text in getattr(tokenizer, "all_special_tokens", ())):
-            return f"<[{tid}]>"
-    return json.dumps(text)
-
-
-def call_grammar(tools: ToolRequest, parser: str, tokenizer=None) -> str | None:
-    """Lark text (llguidance's dialect, for ``GenerationConfig(grammar=)``) that makes the whole reply tool calls in
-    ``parser``'s format: for ``tool_choice`` "required" one call (one or more with ``parallel_tool_calls``) of any
-    of the tools, for a named function exactly one call of it; for "auto" free text in which a call, once its marker
-    is written, follows the same rules (:func:`_auto_grammar`); ``None`` for "none".
-    Each call is a ``%json`` object ``{"name": <const>, "arguments": <the tool's parameters schema>}`` (llama3_json:
-    ``"parameters"``) with no other keys (the tool's schema with its local ``$ref`` rebased and its objects closed:
-    a missing ``additionalProperties`` reads as false, :func:`~turbo.serve.schema_walk.close_objects`), written
-    with ``", "`` / ``": "`` or compact separators and no other whitespace. Hermes: ``<tool_call>\\n{...}\\n</tool_call>`` blocks joined by ``\\n``; llama3_json: objects
-    joined by ``"; "``; mistral: ``[TOOL_CALLS]`` then a JSON array. ``tokenizer`` (optional) lets a marker that is
-    a special token of the model be matched as that token. Unknown ``parser``: LiteturboError."""
-    ToolParser(parser)
-    if tools.choice not in ("required", "named", "auto"):
-        return None
-    chosen = [t for t in tools.tools if tools.choice in ("required", "auto") or t.name == tools.named]
-    key = "parameters" if parser == "llama3_json" else "arguments"
-    defs = {f"tool{i}": rebase_refs(close_objects(t.parameters), f"#/$defs/tool{i}") for i, t in enumerate(chosen)}
-    calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: {"$ref": f"#/$defs/tool{i}"}},
-              "required": ["name", key], "additionalProperties": False} for i, t in enumerate(chosen)]
-    if tools.choice == "auto":
-        return _auto_grammar(parser, calls, defs, tools.parallel, tokenizer)
-    many = tools.choice == "required" and tools.parallel
-    if parser == "mistral":
-        array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if many else {"maxItems": 1})}
-        body = json.dumps({"x-guidance": _JSON_STYLE, "$defs": defs, **array}, ensure_ascii=False)
-        return f"start: {_marker('[TOOL_CALLS]', tokenizer)} \" \"? calls\ncalls: %json {body}\n"
-    body = json.dumps({"x-guidance": _JSON_STYLE, "$defs": defs, "anyOf": calls}, ensure_ascii=False)
-    if parser == "llama3_json":
-        return f"start: call{' (' + json.dumps('; ') + ' call)*' if many else ''}\ncall: %json {body}\n"
-    open_, close, nl = _marker("<tool_call>", tokenizer), _marker("</tool_call>", tokenizer), json.dumps("\n")
-    return (f"start: call{' (' + nl + ' call)*' if many else ''}\n"
-            f"call: {open_} {nl} body {nl} {close}\nbody: %json {body}\n")
-
-
-def _not_containing(marker: str) -> str:
-    """A Lark terminal: any text without ``marker`` in it (llguidance's ``&`` / ``~`` operators)."""
-    return f"/(?s:.*)/ & ~/(?s:.*){_regex_lit(marker)}(?s:.*)/"
-
-
-def _regex_lit(text: str) -> str:
-    """``text`` as a literal inside a llguidance ``/.../`` regex."""
-    return "".join("\\" + c if c in r".^$*+?()[]{}|\/" else c for c in text)
-
-
-def _auto_grammar(parser: str, calls: list[dict], defs: dict, many: bool, tokenizer) -> str:
-    """``tool_choice: "auto"``: free text, but once the reply starts a call (its marker) the call follows the
-    format and the tools' schemas to its end (a lazy grammar, as llguidance's docs write tool calling). Hermes: any
-    text, calls ``<tool_call>\\n{...}\\n</tool_call>`` anywhere in it (one at most without parallel calls), and no
-    marker outside a call; llama3_json: a reply that starts with ``{`` (or ``<|python_tag|>``) is calls joined by
-    ``"; "``, any other is text; mistral: ``[TOOL_CALLS]`` then the JSON array, or text without the marker."""
-    body = json.dumps({"x-guidance": _JSON_STYLE, "$defs": defs, "anyOf": calls}, ensure_ascii=False)
-    if parser == "mistral":
-        array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if many else {"maxItems": 1})}
-        arr = json.dumps({"x-guidance": _JSON_STYLE, "$defs": defs, **array}, ensure_ascii=False)
-        mark = _marker("[TOOL_CALLS]", tokenizer)
-        text = "/(?s:.*)/" if mark.startswith("<[") else _not_containing("[TOOL_CALLS]")
-        return f"start: TEXT | {mark} \" \"? calls\ncalls: %json {arr}\nTEXT: {text}\n"
-    if parser == "llama3_json":
-        tag = _marker("<|python_tag|>", tokenizer)
-        text = r"/(?s:.*)/ & ~/[ \t\n\r]*\{(?s:.*)/"
-        if not tag.startswith("<["):
-            text += r" & ~/[ \t\n\r]*<\|python_tag\|>(?s:.*)/"
-        rest = ' ("; " call)*' if many else ""
-        return (f"start: TEXT | {tag}? WS? call{rest}\ncall: %json {body}\nTEXT: {text}\nWS: /[ \\t\\n\\r]+/\n")
-    open_, close = _marker("<tool_call>", tokenizer), _marker("</tool_call>", tokenizer)
-    if open_.startswith("<["):  # a special token: text can never spell it
-        head, tail = f"HEAD? {open_}", "TAIL: /(?s:.*)/"
-        head_rule = "HEAD: /(?s:.+)/"
-    else:
-        head, tail = "head", f"TAIL: {_not_containing('<tool_call>')}"
-        head_rule = f"head[lazy]: /(?s:.*)/ {open_}"
-    return (f"start: call{'*' if many else '?'} TAIL\n"
-            f"call: {head} \"\\n\"? body \"\\n\"? {close}\n{head_rule}\n{tail}\nbody: %json {body}\n")
 
 
 def finish_reason(engine_reason: str, calls: list, tools: ToolRequest | None = None) -> str:
