@@ -63,7 +63,8 @@ def test_truncate_never_writes_into_a_shared_block():
 
 def test_priority_then_fcfs_and_preemption_of_least_important():
     bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
-    s = Scheduler(bm, max_batch_size=8, max_num_batched_tokens=64)
+    # no decode reserve: both prompts fill the pool, so the first decode block must come from a preemption
+    s = Scheduler(bm, max_batch_size=8, max_num_batched_tokens=64, decode_reserve=0)
     low = Sequence(seq_id=1, token_ids=[1] * 7, priority=5)
     high = Sequence(seq_id=2, token_ids=[2] * 7, priority=0)
     s.add(low)
@@ -79,6 +80,36 @@ def test_priority_then_fcfs_and_preemption_of_least_important():
     step = s.schedule()
     assert [q.seq_id for q in step.seqs] == [2] and low.status == Status.WAITING and low.num_computed == 0
     assert low.num_preemptions == 1 and high.block_table == [0, 1, 3]
+
+
+def test_admission_keeps_a_decode_block_per_running_sequence_so_a_long_prompt_is_not_prefilled_to_be_preempted():
+    """The thrash this reserve prevents: 2 sequences decoding in a pool of 8 blocks of 4; a prompt of 20 tokens
+    (5 blocks) arrives. Filling the pool with it (reserve 0) preempts it at the next block boundary of the running
+    ones, its prefill wasted; with the default reserve it waits until it fits beside their next blocks."""
+    for reserve, admitted in ((0, True), (None, False)):  # None: a block (4 tokens)
+        bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+        s = Scheduler(bm, max_batch_size=8, max_num_batched_tokens=64, decode_reserve=reserve)
+        a, b = Sequence(seq_id=1, token_ids=[1] * 4), Sequence(seq_id=2, token_ids=[2] * 4)
+        s.add(a)
+        s.add(b)
+        step = s.schedule()
+        assert step.seqs == [a, b]  # nothing ran: both admitted (2 blocks + 2 reserved <= 8)
+        for q in (a, b):
+            q.num_computed, q.token_ids = 4, q.token_ids + [0]
+        long = Sequence(seq_id=3, token_ids=[3] * 20)
+        s.add(long)
+        step = s.schedule()
+        # a and b need a 2nd block now (2 + 2 taken); 4 free: 5 for the prompt fit neither way, 4 + 1 reserve...
+        assert (long in step.seqs) is False and bm.num_free == 4
+        long.token_ids = [3] * 12  # ...a 12-token prompt: 3 blocks fit beside a reserve of 0, not beside 1 + 2
+        step = s.schedule()
+        assert (long in step.seqs) is admitted, reserve
+        if admitted:  # a and b each want a 3rd block at their 9th token: 1 free -> the newest (long) is preempted
+            for q in (a, b):
+                q.num_computed, q.token_ids = q.num_tokens, q.token_ids + [0] * 4
+            long.num_computed = 12
+            s.schedule()
+            assert long.num_preemptions == 1 and long.num_computed == 0
 
 
 @pytest.mark.parametrize("seed", [0, 1])

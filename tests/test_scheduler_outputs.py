@@ -42,7 +42,7 @@ def test_admission_by_priority_within_batch_size_and_budget():
 
 def test_preemption_frees_the_least_important_and_it_comes_back_from_the_prefix_cache():
     bm = BlockManager(num_blocks=4, block_size=4)
-    s = Scheduler(bm, max_batch_size=4, max_num_batched_tokens=64)
+    s = Scheduler(bm, max_batch_size=4, max_num_batched_tokens=64, decode_reserve=0)  # the prompts fill it
     a = Sequence(seq_id=1, token_ids=list(range(8)), priority=0)
     b = Sequence(seq_id=2, token_ids=list(range(100, 108)), priority=1)
     s.add(a)

@@ -105,6 +105,7 @@ class EngineCore:
                 seq.priority = priority
                 self._keep_common(seq, ids, min(seq.num_computed, len(ids) - 1))
             seq.token_ids = ids
+            seq.max_tokens = min(len(ids) + gen.max_new_tokens, self.session_len)  # admission's decode reserve
             rng = None
             if gen.temperature > 0:
                 rng = torch.Generator(device=self.backend.device)  # the logits' device: sampling runs there

@@ -8,7 +8,9 @@ Prefill, chunked prefill and decode are one thing: bring ``num_computed`` up to 
    (least recently used), then the least important running sequence is preempted: its blocks are freed and
    it goes back to the waiting queue keeping its tokens, to be recomputed later (its output is unchanged).
 2. If nothing was preempted, waiting sequences are admitted in (priority, arrival) order while the batch
-   size, the token budget and free blocks allow; a long prompt is split into chunks across steps. An
+   size, the token budget and free blocks allow: a sequence is admitted into a running batch only when its whole
+   prompt and a decode reserve (a block's worth of tokens by default, never past its ``max_tokens``) fit beside what the running ones still need for theirs, so a
+   long prompt is not prefilled only to be preempted for the others' decode blocks; a long prompt is split into chunks across steps. An
    admitted sequence first takes the cached blocks of its longest cached prefix. A sequence whose prompt another
    one is computing (``Sequence.after``: the engine sets it for identical prompts, e.g. the ``n`` choices of one
    request) waits until that prompt is computed, then takes its blocks from the prefix cache.
@@ -66,6 +68,9 @@ class Sequence:
     host_kv: list[int] | None = field(default=None, compare=False, repr=False)
     # speculative draft tokens proposed for the next step (turbo/core/speculative.py); never part of token_ids
     draft_ids: list[int] = field(default_factory=list, compare=False, repr=False)
+    # the length at which the request ends at the latest (prompt + max new tokens), when known: admission reserves
+    # decode blocks up to it only
+    max_tokens: int | None = field(default=None, compare=False, repr=False)
 
     @property
     def held(self) -> bool:
@@ -137,8 +142,11 @@ class Scheduler:
     """Waiting queue, running batch and idle sessions over one :class:`BlockManager`."""
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int = 64, max_num_batched_tokens: int = 2048,
-                 spill_kv: bool = False, restore_kv: bool = False) -> None:
-        """``spill_kv``: an evicted session's computed K/V is stored first (a :class:`KVStore` in the next output);
+                 spill_kv: bool = False, restore_kv: bool = False, decode_reserve: int | None = None) -> None:
+        """``decode_reserve``: tokens of decode (``None``: a block's worth; never past ``Sequence.max_tokens``) that
+        admission keeps room for per running sequence, beside the blocks its prompt still needs (see :meth:`_fits`;
+        0 fills the pool with prompts).
+        ``spill_kv``: an evicted session's computed K/V is stored first (a :class:`KVStore` in the next output);
         ``restore_kv``: a sequence admitted without blocks loads its stored K/V back (``Sequence.host_kv``, then
         ``Sequence.disk_kv``) when its tokens still share a prefix with it and the blocks are free."""
         if max_batch_size < 1 or max_num_batched_tokens < 1:
@@ -147,6 +155,9 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.spill_kv, self.restore_kv = spill_kv, restore_kv
+        if decode_reserve is not None and decode_reserve < 0:
+            raise ValueError("decode_reserve must be >= 0")
+        self.decode_reserve = block_manager.block_size if decode_reserve is None else decode_reserve
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.idle: OrderedDict[int, Sequence] = OrderedDict()  # LRU: oldest first
@@ -289,7 +300,7 @@ class Scheduler:
                 if not seq.block_table:
                     seq.num_computed = self.bm.match_prefix(seq.token_ids, seq.block_table)
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.bm.can_allocate(seq.block_table, seq.num_computed + n):
+            if not self._fits(seq, n):
                 # only idle caches may be given up for a new request; never running work
                 victim = next((s for s in self.idle.values() if s.block_table), None)
                 if victim is None and not self.running and not seqs:
@@ -308,6 +319,24 @@ class Scheduler:
             counts.append(n)
             budget -= n
         return budget
+
+    def _growth(self, seq: Sequence) -> int:
+        """Free blocks ``seq`` will take to compute the rest of its tokens and its decode reserve."""
+        end = seq.num_tokens + self.decode_reserve
+        if seq.max_tokens is not None:
+            end = max(seq.num_tokens, min(end, seq.max_tokens))
+        return max(0, self.bm.blocks_needed(end) - len(seq.block_table))
+
+    def _fits(self, seq: Sequence, n: int) -> bool:
+        """Whether admitting ``seq`` with ``n`` tokens now keeps the batch clear of preemption: with nothing running,
+        its ``n`` tokens fit; else its whole prompt and its decode reserve fit beside what every running sequence
+        still needs for its prompt and its reserve (by default each then decodes a block's worth of tokens, or to its
+        ``max_tokens``, before it asks for more). Without this, a long prompt admitted into a nearly full pool is
+        preempted a few steps later for the running ones' decode blocks, its prefill wasted, and re-admitted, again
+        and again (thrash under load)."""
+        if not self.running:
+            return self.bm.can_allocate(seq.block_table, seq.num_computed + n)
+        return self._growth(seq) + sum(self._growth(s) for s in self.running) <= self.bm.num_free
 
     def _plan_load(self, seq: Sequence) -> KVLoad | None:
         """With ``restore_kv``: blocks for the longest prefix of ``seq``'s stored K/V (host tier first, then its
