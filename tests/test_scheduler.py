@@ -112,6 +112,25 @@ def test_admission_keeps_a_decode_block_per_running_sequence_so_a_long_prompt_is
             assert long.num_preemptions == 1 and long.num_computed == 0
 
 
+def test_a_session_turn_queues_behind_requests_that_came_before_it_however_old_the_session():
+    """A session's Sequence lives across turns: its place in the queue is its turn's arrival, not the session's
+    creation (else every turn of an old session overtakes whatever waits, and requests starve: the soak's 120 s
+    waits)."""
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    s = Scheduler(bm, max_batch_size=1, max_num_batched_tokens=64)
+    session = Sequence(seq_id=1, token_ids=[1] * 3)  # opened first
+    s.add(session)
+    step = s.schedule()
+    session.num_computed, session.token_ids = 3, session.token_ids + [0]
+    s.finish(session, keep_cache=True)  # its turn ended; it idles
+    fresh = Sequence(seq_id=2, token_ids=[2] * 3)
+    s.add(fresh)  # a request, then the session's next turn
+    session.token_ids += [5]
+    s.add(session)
+    assert [q.seq_id for q in s.schedule().seqs] == [2]  # batch of 1: the earlier request goes first
+    assert session.status == Status.WAITING and step.seqs == [session]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_1000_random_requests_with_cancellations_and_sessions_free_every_block(seed):
     rng = random.Random(seed)

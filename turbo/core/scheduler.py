@@ -166,8 +166,11 @@ class Scheduler:
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence whose ``token_ids`` need computing (it may already hold blocks, e.g. a session)."""
+        """Queue a sequence whose ``token_ids`` need computing (it may already hold blocks, e.g. a session). Its arrival
+        is now: a session's turn queues behind the requests that came before it, whenever the session was opened (a
+        preempted sequence keeps its arrival, so it is not overtaken by later ones)."""
         self.idle.pop(seq.seq_id, None)
+        seq.arrival = next(_arrivals)
         seq.status = Status.WAITING
         self.waiting.append(seq)
 

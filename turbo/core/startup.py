@@ -22,6 +22,7 @@ import torch
 
 from backends import Backend, KVCacheSpec, KVQuantParams, get_backend
 from backends.cpu_threads import ThreadController, apply_threads, usable_cpus
+from backends.onednn_caches import bound_onednn_caches
 from backends.platform import Platform, current_platform
 from lite.formats import LiteturboError, load_config, load_kv_params, resolve_model
 
@@ -331,6 +332,7 @@ def load_rank(config: EngineConfig, model: str | Path | None, rank: int = 0) -> 
     checked that its shard fits (each runs this function as its rank, see :mod:`turbo.core.tp.worker`, while rank 0
     loads its own), loads the tokenizer, and takes the fewest blocks any rank has room for. Raises
     ``LiteturboError`` for a bad model, option, or what cannot fit (a worker's, with its rank)."""
+    bound_onednn_caches()  # before the first 16-bit CPU GEMM (see backends/onednn_caches.py)
     if rank > 0:
         use_device(config.device)
     fit = resolve(config, model, rank)
