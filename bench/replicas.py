@@ -33,8 +33,12 @@ import time
 import common  # noqa: F401  (puts the repository on sys.path)
 from common import free_port, wait_healthy
 
+from turbo.session_ids import new_session_id
+from turbo.sglang_route import ROUTING_KEY_HEADER
+
 TOPICS = ["the sea", "a city", "music", "mountains", "a library", "the moon", "trains", "gardens", "rain",
           "bread", "rivers", "winter", "bees", "bridges", "chess", "clocks"]
+MODEL_ID = "replica-model"  # the replicas' --model-name
 QUESTIONS = ["Tell me one fact about {}.", "Why does that matter?", "Say it again in five words."]
 
 
@@ -77,6 +81,42 @@ async def _turn(client, sid: str, content: str, max_tokens: int) -> dict:
     return {"text": "".join(text), "replica": replica, "cached": cached, "error": error}
 
 
+async def _chat_turn(client, sid: str, system: str, content: str, max_tokens: int) -> dict:
+    """One streamed turn through sglang-router: ``/v1/chat/completions`` with the session id as the routing key (the
+    header reaches the replica, which continues that session, the first turn opening it); the same result shape as
+    :func:`_turn`."""
+    import httpx
+
+    body = {"model": MODEL_ID, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}]}
+    text, cached, error, replica = [], None, None, None
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body,
+                                 headers={ROUTING_KEY_HEADER: sid}) as r:
+            replica = r.headers.get("x-liteturbo-server")
+            if r.status_code != 200:
+                return {"text": None, "replica": replica, "cached": None,
+                        "error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    error = ev["error"]["message"] if isinstance(ev["error"], dict) else str(ev["error"])
+                    break
+                for ch in ev.get("choices") or ():
+                    text.append(ch.get("delta", {}).get("content") or "")
+                if ev.get("usage"):
+                    cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+            else:
+                if cached is None:
+                    error = "the stream ended without its usage chunk"
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"text": "".join(text), "replica": replica, "cached": cached, "error": error}
+
+
 async def _run(url: str, args, on_turn=None) -> dict:
     """The workload through the router at ``url``: {session index: [turn results]} and the broken turns."""
     import httpx
@@ -85,20 +125,26 @@ async def _run(url: str, args, on_turn=None) -> dict:
     limits = httpx.Limits(max_connections=args.sessions + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def session(i: int) -> list[dict]:
-            r = await client.post("/v1/sessions", json={"system": "You are a terse assistant."})
-            assert r.status_code == 201, r.text
-            sid, home = r.json()["id"], r.headers["x-liteturbo-replica"]
+            system = "You are a terse assistant."
+            if args.router == "builtin":
+                r = await client.post("/v1/sessions", json={"system": system})
+                assert r.status_code == 201, r.text
+                sid, home = r.json()["id"], r.headers["x-liteturbo-replica"]
+            else:
+                sid, home = new_session_id(), None  # the first turn opens it on the replica its key goes to
             out = []
             for t in range(args.turns):
                 content = QUESTIONS[t % len(QUESTIONS)].format(TOPICS[i % len(TOPICS)])
                 for _ in range(50):
-                    res = await _turn(client, sid, content, args.max_tokens)
+                    res = await (_turn(client, sid, content, args.max_tokens) if args.router == "builtin" else
+                                 _chat_turn(client, sid, system, content, args.max_tokens))
                     if res["error"] is None:
                         break
                     broken.append({"session": i, "turn": t, "replica": res["replica"], "error": res["error"][:160]})
                     await asyncio.sleep(0.2)  # the router has marked the replica down; send the turn again
                 else:
                     raise SystemExit(f"session {i} turn {t} failed 50 times; last: {res['error']}")
+                home = home or res["replica"]
                 out.append(dict(res, home=home))
                 done[0] += 1
                 if on_turn is not None:
@@ -106,7 +152,8 @@ async def _run(url: str, args, on_turn=None) -> dict:
             return out
 
         results = await asyncio.gather(*(session(i) for i in range(args.sessions)))
-        status = (await client.get("/router/status")).json()
+        status = (await client.get("/router/status")).json() if args.router == "builtin" else \
+            {"failovers": None, "retries": None}
     return {"sessions": dict(enumerate(results)), "broken": broken, "router": status}
 
 
@@ -134,13 +181,15 @@ def _summary(run: dict, ref: dict | None, before: dict, killed: str | None, kill
             odd += 1
         if ref is not None:
             equal += sum(a["text"] == b["text"] for a, b in zip(turns, ref["sessions"][i]))
+    later = [t for turns in run["sessions"].values() for t in turns[1:]]  # turns after a session's first
     out = {"turns": sum(per_replica.values()), "sessions_per_home_replica": homes, "turns_per_replica": per_replica,
+           "later_turns_that_reused_the_history": f"{sum((t['cached'] or 0) > 0 for t in later)}/{len(later)}",
            "sessions_on_one_replica": one, "sessions_moved_once_to_the_survivor": moved,
            "sessions_moved_otherwise": odd, "moved_sessions_with_history": moved_hist,
            "of_which_reused_the_saved_kv": moved_cached,
            "turns_broken_and_resent": len(run["broken"]),
-           "failovers": run["router"]["failovers"] - before["failovers"],
-           "router_retries": run["router"]["retries"] - before["retries"]}
+           "failovers": None if run["router"]["failovers"] is None else run["router"]["failovers"] - before["failovers"],
+           "router_retries": None if run["router"]["retries"] is None else run["router"]["retries"] - before["retries"]}
     if killed is not None:
         out.update(killed=killed, killed_after_turns=kill_turn, broken=run["broken"])
     if ref is not None:
@@ -161,15 +210,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32",
                     help="the replicas' compute dtype (default float32: in bfloat16, a greedy reply depends on what it "
                          "was batched with in near-ties, which hides what a failover changes; --no-kill shows it)")
+    ap.add_argument("--router", choices=["sglang", "builtin"], default="sglang",
+                    help="sglang: `liteturbo route` (sglang-router; turns through /v1/chat/completions with session_id "
+                         "and the routing-key header); builtin: `liteturbo route --builtin` (the sessions REST API)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from common import w4a16_checkpoint
 
     model, _tmp = w4a16_checkpoint("smollm2-135m-instruct", 64, args.model)
     sdir = tempfile.TemporaryDirectory(prefix="liteturbo-sessions-")
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]
     urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
-    opts = ["--session-dir", sdir.name, "--log-level", "warning", "--session-len", "2048", "--max-batch-size", "32",
+    opts = ["--model-name", MODEL_ID, "--session-dir", sdir.name, "--log-level", "warning", "--session-len", "2048", "--max-batch-size", "32",
             "--dtype", args.dtype]
     replicas = [_start(["serve", str(model), "--port", str(p), *opts], args.threads) for p in ports[:2]]
     router, zero = None, {"failovers": 0, "retries": 0}
@@ -177,9 +229,18 @@ def main() -> None:
         for u, p in zip(urls, replicas):
             wait_healthy(u, p)
         router = _start(["route", "--port", str(ports[2]), "--log-level", "warning", "--health-interval", "0.5",
-                         *[x for u in urls for x in ("--replica", u)]], 1)
+                         *[x for u in urls for x in ("--replica", u)], *(["--builtin"] if args.router == "builtin" else ["--metrics-port", str(ports[3])])], 1)
         rurl = f"http://127.0.0.1:{ports[2]}"
         wait_healthy(rurl, router)
+        if args.router == "sglang":  # its /health answers before it has checked the replicas: wait for both
+            import httpx
+
+            deadline = time.time() + 120
+            while sum(w["is_healthy"] for w in httpx.get(f"{rurl}/workers", timeout=5).json()["workers"]) < 2:
+                if time.time() > deadline or router.poll() is not None:
+                    raise SystemExit(f"sglang-router did not take both replicas: {router.stderr.read()[-2000:]}")
+                time.sleep(0.5)
+        router_pid = router.pid
         t0 = time.perf_counter()
         ref = asyncio.run(_run(rurl, args))
         ref_s = time.perf_counter() - t0
@@ -188,12 +249,13 @@ def main() -> None:
         def maybe_kill(n: int) -> None:
             nonlocal killed, kill_turn
             if killed is None and not args.no_kill and n >= args.kill_after:
-                killed, kill_turn = urls[0], n
+                killed, kill_turn = urls[0] if args.router == "builtin" else urls[0].split("://")[1], n
                 os.killpg(replicas[0].pid, signal.SIGKILL)
 
         t0 = time.perf_counter()
         run = asyncio.run(_run(rurl, args, maybe_kill))
         run_s = time.perf_counter() - t0
+        router_alive = router.poll() is None and router.pid == router_pid  # the same router process throughout
     finally:
         for p in [router, *replicas]:
             if p is not None:
@@ -203,7 +265,8 @@ def main() -> None:
            "max_tokens": args.max_tokens,
            "replicas": urls, "reference": dict(_summary(ref, None, zero, None, None), seconds=round(ref_s, 1)),
            "kill" if not args.no_kill else "again": dict(_summary(run, ref, ref["router"], killed, kill_turn),
-                                                          seconds=round(run_s, 1))}
+                                                          seconds=round(run_s, 1)),
+           "router": args.router, "router_process_unchanged": router_alive}
     print(json.dumps(out, indent=None if args.json else 1))
 
 

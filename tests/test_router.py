@@ -355,3 +355,20 @@ def _disconnects_stop_the_replica(http, url):
                      b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
         assert _wait(lambda: _metric(url, "liteturbo_requests_running") == 1, 20)
     settled(before)
+
+
+def test_liteturbo_route_launches_sglang_router_with_session_affinity_flags():
+    """`liteturbo route` (turbo/sglang_route.py): sglang-router's manual policy keyed by x-smg-routing-key, the
+    replicas' /health polled (a stalled engine answers 503 there), its metrics on their own port."""
+    from turbo.sglang_route import router_command
+
+    cmd = router_command(["http://127.0.0.1:1", "http://127.0.0.1:2"], port=9, health_interval=0.5, timeout=30,
+                         log_level="warning", metrics_port=7)
+    assert cmd[1:3] == ["-m", "sglang_router.launch_router"]
+    args = " ".join(cmd[3:])
+    for flag in ("--port 9", "--worker-urls http://127.0.0.1:1 http://127.0.0.1:2", "--policy manual",
+                 "--assignment-mode min_load", "--health-check-endpoint /health", "--health-check-interval-secs 1",
+                 "--request-timeout-secs 30", "--log-level warn", "--prometheus-port 7"):
+        assert flag in args, flag
+    with pytest.raises(ValueError, match="--replica"):
+        router_command([])

@@ -304,6 +304,64 @@ def test_sessions_prefill_only_new_tokens(app, client, http):
     assert idle_and_freed(app.state.engine)
 
 
+def test_create_session_opens_a_client_named_session_from_chat_completions(app, client, http):
+    """What a client behind sglang-router does (no POST /v1/sessions reaches a replica): it names the session, sends
+    ``create_session`` with every turn, and the first one opens it with the leading system message."""
+    from turbo.session_ids import new_session_id
+
+    sid = new_session_id()
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+    usages = []
+    for text in ("What is the capital of France?", "And of Japan?"):
+        msgs[-1]["content"] = text
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                           extra_body={"session_id": sid, "create_session": True})
+        usages.append(r.usage.model_dump())
+    # the second turn continued the first (same session, its KV reused), the system prompt kept once
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == usages[0]["prompt_tokens"] + usages[0]["completion_tokens"] - 1
+    info = http.get(f"/v1/sessions/{sid}").json()
+    assert [m["role"] for m in info["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert info["messages"][0]["content"] == "You are terse."
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "create_session": True}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, "create_session", "session_id")
+    assert_error(http.post("/v1/chat/completions", json=dict(body, session_id="my-session")), 400, "session_id")
+    assert_error(http.post("/v1/chat/completions", json=dict(body, session_id=sid, create_session="yes")), 400,
+                 "create_session")
+    assert http.delete(f"/v1/sessions/{sid}").json()["deleted"] is True
+    assert idle_and_freed(app.state.engine)
+
+
+def test_a_session_id_in_sglang_routers_header_is_a_session_turn(app, http):
+    """sglang-router forwards ``x-smg-routing-key`` and re-writes the body: drops ``session_id`` and adds its own
+    fields at their defaults. The header's session id opens and continues the session; another key is only the
+    router's; the router's fields at other values are refused by name."""
+    from turbo.session_ids import new_session_id
+
+    sid = new_session_id()
+    forwarded = {"model": MODEL, "max_tokens": 5, "temperature": 0, "logprobs": False, "ignore_eos": False,
+                 "continue_final_message": False, "no_stop_trim": False, "return_hidden_states": False,
+                 "separate_reasoning": True, "skip_special_tokens": True, "stream_reasoning": True}
+    usages = []
+    for text in ("Name a colour.", "Another one."):
+        r = http.post("/v1/chat/completions", headers={"x-smg-routing-key": sid},
+                      json=dict(forwarded, messages=[{"role": "system", "content": "Be brief."},
+                                                     {"role": "user", "content": text}]))
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == usages[0]["total_tokens"] - 1
+    assert [m["role"] for m in http.get(f"/v1/sessions/{sid}").json()["messages"]] == \
+        ["system", "user", "assistant", "user", "assistant"]
+    assert http.delete(f"/v1/sessions/{sid}").json()["deleted"] is True
+    # a key that is not a session id: a plain request (both system and user messages are its prompt)
+    r = http.post("/v1/chat/completions", headers={"x-smg-routing-key": "user-42"},
+                  json=dict(forwarded, messages=[{"role": "user", "content": "Hi"}]))
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    assert http.get("/v1/sessions/user-42").status_code == 404
+    assert_error(http.post("/v1/chat/completions", json=dict(forwarded, messages=[{"role": "user", "content": "Hi"}],
+                                                             skip_special_tokens=False)), 400, "skip_special_tokens")
+    assert idle_and_freed(app.state.engine)
+
+
 def test_busy_session_is_409_and_a_dropped_stream_frees_it(app, http):
     sid = http.post("/v1/sessions", json={}).json()["id"]
     long_turn = {"content": "Tell me a long story.", "stream": True, "max_tokens": 1000, "min_tokens": 1000,

@@ -1,4 +1,7 @@
-"""The session-affine router in front of several ``liteturbo serve`` replicas (``liteturbo route``).
+"""liteturbo's own session-affine proxy in front of several ``liteturbo serve`` replicas (``liteturbo route
+--builtin``; plain ``liteturbo route`` launches sglang-router, :mod:`turbo.sglang_route`). It is kept for the one
+part sglang-router cannot do: route liteturbo's sessions REST API (``/v1/sessions...``), which is not among the
+routes sglang-router forwards.
 
 ``create_router_app(replicas)`` builds a FastAPI app that forwards every request to one replica with httpx;
 ``route(replicas, host, port, ...)`` runs it under uvicorn. How a request's replica is chosen:
@@ -473,11 +476,32 @@ def route(replicas: Iterable[str], host: str = "127.0.0.1", port: int = 23333, a
               help="Seconds to wait for a replica's answer (or its next streamed chunk).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]))
+@click.option("--metrics-port", default=29000, show_default=True, type=int,
+              help="sglang-router's Prometheus port (each router on a host needs its own).")
+@click.option("--builtin", is_flag=True,
+              help="Run liteturbo's own proxy (it also routes the sessions REST API /v1/sessions...) instead of "
+                   "sglang-router.")
 @friendly_errors
-def route_command(replicas, host, port, api_keys, health_interval, timeout, log_level) -> None:
-    """Route clients to `liteturbo serve` replicas that share one --session-dir: every request of a session to the
-    replica holding its KV cache (hashing of the session id over the healthy replicas), other requests to the
-    least loaded one; when a replica dies, its sessions continue on the others (docs/serving.md, "Replicas and
-    routing")."""
+def route_command(replicas, host, port, api_keys, health_interval, timeout, log_level, metrics_port, builtin) -> None:
+    """Route clients to `liteturbo serve` replicas that share one --session-dir with sglang-router: a session's
+    requests (its id in the header x-smg-routing-key) to the replica holding its KV cache, other requests balanced;
+    when a replica dies or stalls, its sessions continue on the others. --builtin: liteturbo's own proxy
+    (docs/serving.md, "Replicas and routing")."""
+    if not builtin:
+        from .sglang_route import launch
+
+        replicas = [replica_url(u) for u in replicas]  # LiteturboError naming a bad address
+        if len(set(replicas)) != len(replicas):
+            raise LiteturboError("give each server once: two --replica addresses are the same server")
+
+        if api_keys:  # sglang-router passes the Authorization header on: the replicas check the keys
+            print("[liteturbo] --api-keys: with sglang-router the replicas check the keys (start them with the same "
+                  "--api-keys)", file=sys.stderr)
+        try:
+            launch(list(replicas), host=host, port=port, health_interval=health_interval, timeout=timeout,
+                   log_level=log_level, metrics_port=metrics_port)
+        except ValueError as e:
+            raise LiteturboError(str(e)) from None
+        return
     route(replicas, host=host, port=port, api_keys=api_keys or "", log_level=log_level,
           health_interval=health_interval, timeout=timeout)

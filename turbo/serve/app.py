@@ -64,7 +64,8 @@ from lite.formats import LiteturboError, make_dirs
 from ..config import GenerationConfig
 from ..engine import Engine
 from ..core import encode
-from ..errors import NotFound
+from ..errors import Conflict, NotFound
+from ..sglang_route import ROUTING_KEY_HEADER
 from ..loop import EngineLoop
 from ..tool_parsers import reading as tool_reading
 from ..reasoning_parsers import ReasoningParser, parser_for_template as reasoning_for_template, prompt_opens_reasoning
@@ -280,7 +281,8 @@ async def get_model(name: str, request: Request):
 @v1.post("/chat/completions")
 async def chat_completions(request: Request):
     s = served(request)
-    req = protocol.read_chat(await read_json(request, s.max_request_bytes), s.model_id)
+    req = protocol.read_chat(await read_json(request, s.max_request_bytes), s.model_id,
+                             request.headers.get(ROUTING_KEY_HEADER))
     lp = None if req.top_logprobs is None else Logprobs(req.top_logprobs, chat=True)
     reads = req.tools if req.tools is not None and req.tools.parses else None
     job = Job("chat", s.model_id, req.stream, req.include_usage, lp, tools=reads,
@@ -295,6 +297,8 @@ async def chat_completions(request: Request):
         gen = s.gen(*layers, after)
         handles = await run_in_threadpool(submit_choices, c, ids, gen, req.n)
         return await respond(request, job, handles)
+    if req.create_session:
+        await _open_session(s, req.session_id, req.messages)
     stored = await on_session(s, c.check_session, req.session_id)  # 404 first
     last = req.messages[-1]
     if last["role"] not in ("user", "tool"):
@@ -311,6 +315,23 @@ async def chat_completions(request: Request):
                               req.tools.openai() if req.tools else None, last.get("tool_call_id"), req.keep_partial,
                               read)
     return await respond(request, job, [handle])
+
+
+async def _open_session(s: Served, sid: str, messages: list[dict]) -> None:
+    """``create_session``: open session ``sid`` unless it exists (here, or in the session dir another replica shares),
+    its system prompt the leading system message of ``messages`` (taken only now, when it is created)."""
+    try:
+        await on_session(s, s.client.check_session, sid)
+        return
+    except APIError:
+        pass
+    system = messages[0]["content"] if len(messages) > 1 and messages[0]["role"] == "system" else None
+    if system is not None and not isinstance(system, str):
+        raise APIError(400, "with 'create_session' the system message's content must be a string", param="messages")
+    try:
+        await run_in_threadpool(s.client.session_create, system, sid, {})
+    except Conflict:
+        pass  # opened meanwhile (a retry of this request, another replica): continue it
 
 
 @v1.post("/messages")
@@ -607,11 +628,32 @@ def _check_port(host: str, port: int) -> None:
                              f"or stop what uses it") from None
 
 
+class ServerHeader:
+    """ASGI middleware: every HTTP answer names the server that gave it (``x-liteturbo-server: HOST:PORT``), so a
+    client behind a router (sglang-router passes it on) sees which replica answered. Pure ASGI: streams and
+    disconnects pass through untouched."""
+
+    def __init__(self, app, value: str) -> None:
+        self.app, self.value = app, value.encode("latin-1")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message):
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", ()), (b"x-liteturbo-server", self.value)])
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
 def _run(app: FastAPI, host: str, port: int, log_level: str, keys: bool) -> None:
     """Serve ``app`` with uvicorn until interrupted, or until its engine process dies (then raise why)."""
     import uvicorn  # only to run: create_app alone does not need it
 
     client = app.state.served.client
+    app.add_middleware(ServerHeader, value=f"{host}:{port}")
     if not keys and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[liteturbo] warning: serving on {host} without --api-keys: anyone who can reach this port can use "
               f"the model", file=sys.stderr)

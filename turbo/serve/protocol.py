@@ -385,6 +385,9 @@ class ChatRequest:
     n: int = 1
     tools: tools.ToolRequest | None = None
     keep_partial: bool = False  # with session_id: on_disconnect "keep"
+    # with session_id: open the session when it does not exist (a router keyed by a header, e.g. sglang-router's
+    # x-smg-routing-key, passes no POST /v1/sessions); its system prompt is a leading system message
+    create_session: bool = False
 
 
 @dataclass
@@ -432,11 +435,35 @@ def read_on_disconnect(b: Body) -> bool:
     return how == "keep"
 
 
-def read_chat(data: dict, model_id: str) -> ChatRequest:
-    """A chat completion request's fields (400 / 404 naming the field)."""
+# fields sglang-router writes into every chat completion it forwards (its request type's defaults): accepted at those
+# values, which are what liteturbo does anyway; another value is a feature liteturbo does not have (400 naming it)
+SGLANG_ROUTER_DEFAULTS = {"continue_final_message": False, "no_stop_trim": False, "return_hidden_states": False,
+                          "separate_reasoning": True, "skip_special_tokens": True, "stream_reasoning": True}
+
+
+def read_router_defaults(b: Body) -> None:
+    """Accept :data:`SGLANG_ROUTER_DEFAULTS` at their default values; 400 naming the field otherwise."""
+    for name, default in SGLANG_ROUTER_DEFAULTS.items():
+        v = b.raw(name)
+        if v is not None and v is not default:
+            raise APIError(400, f"'{name}' {json.dumps(v)[:40]} is not supported (liteturbo accepts only "
+                                f"{json.dumps(default)}, as sglang-router sends it by default); leave it out",
+                           param=name)
+        b.refused.add(name)  # not listed among the fields it honours
+
+
+def read_chat(data: dict, model_id: str, routing_key: str | None = None) -> ChatRequest:
+    """A chat completion request's fields (400 / 404 naming the field). ``routing_key``: the request's
+    ``x-smg-routing-key`` header (sglang-router's session affinity; it forwards the header but drops liteturbo's own
+    body fields): a session id there (``sess-`` + 24 lowercase hex digits) makes the request a turn of that session,
+    opened on first use, as ``session_id`` with ``create_session`` would; another key is only the router's."""
     b = Body(data, "a chat completion request")
+    read_router_defaults(b)
     stream, include_usage, n = read_common(b, model_id, chat=True)
     sid = b.str("session_id")
+    by_header = sid is None and routing_key is not None and session_id_problem(routing_key) is None
+    if by_header:
+        sid = routing_key
     messages = read_messages(b.raw("messages"), link=sid is None)
     want_lp, top = b.bool("logprobs"), b.int("top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if top is not None and not want_lp:
@@ -448,10 +475,18 @@ def read_chat(data: dict, model_id: str) -> ChatRequest:
         raise APIError(400, "'on_disconnect' applies to session turns only: add 'session_id' or leave it out",
                        param="on_disconnect")
     keep = read_on_disconnect(b)
+    create = bool(b.bool("create_session")) or by_header
+    if create and sid is None:
+        raise APIError(400, "'create_session' opens the session named by 'session_id': add 'session_id' (sess- + 24 "
+                            "lowercase hex digits, chosen by the client) or leave create_session out",
+                       param="create_session")
+    if create and (why := session_id_problem(sid)):
+        raise APIError(400, f"'session_id' {why}", param="session_id")
     g = read_sampling(b) | read_constraint(b)
     calls = tools.read_tools(b.raw("tools"), b.raw("tool_choice"), b.raw("parallel_tool_calls"))
     b.done()
-    return ChatRequest(messages, stream, include_usage, (top or 0) if want_lp else None, sid, g, n, calls, keep)
+    return ChatRequest(messages, stream, include_usage, (top or 0) if want_lp else None, sid, g, n, calls, keep,
+                       create)
 
 
 def read_completion(data: dict, model_id: str) -> CompletionRequest:

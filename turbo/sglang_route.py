@@ -1,0 +1,57 @@
+"""``liteturbo route``: sglang-router (``pip install sglang-router``, Rust) launched in front of ``liteturbo serve``
+replicas that share one ``--session-dir``, with the flags that keep sessions on one replica.
+
+How it routes (sglang-router's ``manual`` policy): a request carrying the header ``x-smg-routing-key`` goes to the
+replica that key was first given to (``--assignment-mode min_load``: the least loaded then), so a client that sends
+its session id as that key keeps every turn of the session on the replica holding its KV; requests without the
+header are balanced. sglang-router polls each replica's ``/health`` (a stalled engine answers 503 there, see the
+engine watchdog) and takes one that fails ``--health-failure-threshold`` polls out, and its keys move to a live
+replica, which loads the session from the shared dir. It forwards its own list of routes only
+(``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models``, ``/generate``, ...): liteturbo's
+sessions REST API (``/v1/sessions...``) is not among them, and it re-writes the chat completions it forwards,
+dropping fields it does not know (``session_id``). What reaches the replica is the header: a chat completion whose
+``x-smg-routing-key`` is a session id (``sess-`` + 24 lowercase hex digits, chosen by the client) is a turn of that
+session, opened by its first turn (its system prompt a leading system message; :func:`turbo.serve.protocol.read_chat`).
+``liteturbo route --builtin`` runs liteturbo's own proxy
+(:mod:`turbo.router`), which routes the sessions REST API as well (docs/serving.md, "Replicas and routing").
+
+:func:`router_command` builds the command line; :func:`launch` replaces this process with it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+
+
+def router_command(replicas: list[str], host: str = "127.0.0.1", port: int = 23333, health_interval: float = 1.0,
+                   timeout: float = 600.0, log_level: str = "info", metrics_port: int = 29000) -> list[str]:
+    """The sglang-router command line for ``replicas`` (``http://host:port`` of ``liteturbo serve``s sharing one
+    session dir); ``metrics_port``: where it serves its Prometheus metrics (two routers on one host need two).
+    Raises ``ValueError`` for no replica or a bad option."""
+    if not replicas:
+        raise ValueError("give at least one --replica http://HOST:PORT")
+    if health_interval <= 0 or timeout <= 0:
+        raise ValueError("--health-interval and --timeout must be > 0 seconds")
+    level = {"critical": "error", "warning": "warn", "trace": "debug"}.get(log_level, log_level)
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            "--worker-urls", *replicas, "--policy", "manual", "--assignment-mode", "min_load",
+            "--health-check-endpoint", "/health", "--health-check-interval-secs", str(max(1, round(health_interval))),
+            "--health-failure-threshold", "2", "--health-success-threshold", "1",
+            "--request-timeout-secs", str(max(1, round(timeout))), "--log-level", level,
+            "--prometheus-host", host, "--prometheus-port", str(metrics_port)]
+
+
+def launch(replicas: list[str], **options) -> None:
+    """Replace this process with sglang-router in front of ``replicas`` (see :func:`router_command`). Exits with a
+    message naming the fix when sglang-router is not installed."""
+    if importlib.util.find_spec("sglang_router") is None:
+        sys.exit("liteturbo route runs sglang-router, which is not installed: pip install sglang-router "
+                 "(or pip install 'liteturbo[router]'); or run liteturbo's own proxy with --builtin")
+    cmd = router_command(list(replicas), **options)
+    print(f"[liteturbo] routing http://{options.get('host', '127.0.0.1')}:{options.get('port', 23333)}/v1 to "
+          f"{len(replicas)} replica(s) with sglang-router (sessions: header {ROUTING_KEY_HEADER}: <session id>)",
+          file=sys.stderr, flush=True)
+    os.execv(cmd[0], cmd)
