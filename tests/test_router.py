@@ -372,3 +372,16 @@ def test_liteturbo_route_launches_sglang_router_with_session_affinity_flags():
         assert flag in args, flag
     with pytest.raises(ValueError, match="--replica"):
         router_command([])
+
+
+def test_liteturbo_route_refuses_ports_it_cannot_listen_on_naming_the_flag():
+    from turbo.sglang_route import check_ports
+
+    with pytest.raises(ValueError, match="--port and --metrics-port are both 5"):
+        check_ports("127.0.0.1", 5, 5)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--metrics-port {busy}: cannot listen"):
+            check_ports("127.0.0.1", 0, busy)

@@ -357,6 +357,14 @@ def test_a_session_id_in_sglang_routers_header_is_a_session_turn(app, http):
                   json=dict(forwarded, messages=[{"role": "user", "content": "Hi"}]))
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
     assert http.get("/v1/sessions/user-42").status_code == 404
+    hi = dict(forwarded, messages=[{"role": "user", "content": "Hi"}])
+    # a key that starts like a session id but breaks the rule, or names another session than the body: 400
+    assert_error(http.post("/v1/chat/completions", headers={"x-smg-routing-key": "sess-ABC"}, json=hi), 400,
+                 "x-smg-routing-key", "24 lowercase hex")
+    assert_error(http.post("/v1/chat/completions", headers={"x-smg-routing-key": sid},
+                           json=dict(hi, session_id=new_session_id())), 400, "session_id", "two sessions")
+    # what sglang-router asks a replica when it registers it: the id clients pass as model
+    assert http.get("/get_model_info").json()["served_model_name"] == MODEL
     assert_error(http.post("/v1/chat/completions", json=dict(forwarded, messages=[{"role": "user", "content": "Hi"}],
                                                              skip_special_tokens=False)), 400, "skip_special_tokens")
     assert idle_and_freed(app.state.engine)

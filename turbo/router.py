@@ -503,5 +503,8 @@ def route_command(replicas, host, port, api_keys, health_interval, timeout, log_
         except ValueError as e:
             raise LiteturboError(str(e)) from None
         return
+    if metrics_port != 29000:
+        print("[liteturbo] --metrics-port is sglang-router's; with --builtin the replicas' /metrics are scraped "
+              "directly", file=sys.stderr)
     route(replicas, host=host, port=port, api_keys=api_keys or "", log_level=log_level,
           health_interval=health_interval, timeout=timeout)

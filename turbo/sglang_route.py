@@ -44,6 +44,23 @@ def router_command(replicas: list[str], host: str = "127.0.0.1", port: int = 233
             "--prometheus-host", host, "--prometheus-port", str(metrics_port)]
 
 
+def check_ports(host: str, port: int, metrics_port: int) -> None:
+    """Raises ``ValueError`` naming the flag when ``--port`` and ``--metrics-port`` are the same or one of them cannot
+    be listened on (sglang-router would panic with a backtrace)."""
+    import socket
+
+    if port == metrics_port:
+        raise ValueError(f"--port and --metrics-port are both {port}: the router and its metrics need two ports")
+    for flag, p in (("--port", port), ("--metrics-port", metrics_port)):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, p))
+            except OSError as e:
+                raise ValueError(f"{flag} {p}: cannot listen on {host}:{p} ({e.strerror or e}); choose another "
+                                 f"{flag}") from None
+
+
 def launch(replicas: list[str], **options) -> None:
     """Replace this process with sglang-router in front of ``replicas`` (see :func:`router_command`). Exits with a
     message naming the fix when sglang-router is not installed."""
@@ -51,6 +68,7 @@ def launch(replicas: list[str], **options) -> None:
         sys.exit("liteturbo route runs sglang-router, which is not installed: pip install sglang-router "
                  "(or pip install 'liteturbo[router]'); or run liteturbo's own proxy with --builtin")
     cmd = router_command(list(replicas), **options)
+    check_ports(options.get("host", "127.0.0.1"), options.get("port", 23333), options.get("metrics_port", 29000))
     print(f"[liteturbo] routing http://{options.get('host', '127.0.0.1')}:{options.get('port', 23333)}/v1 to "
           f"{len(replicas)} replica(s) with sglang-router (sessions: header {ROUTING_KEY_HEADER}: <session id>)",
           file=sys.stderr, flush=True)

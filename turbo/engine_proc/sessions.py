@@ -100,7 +100,8 @@ class SessionRegistry:
             s = self._load(sid) if s is None else self._refresh(sid, s)
             if s is None:
                 raise NotFound(f"no session {sid!r} (it never existed, was deleted, or expired after "
-                               f"{self.idle_timeout:.0f} s unused); create one with POST /v1/sessions")
+                               f"{self.idle_timeout:.0f} s unused); create one with POST /v1/sessions, or send its "
+                               f"first turn with 'create_session': true (or the id in the x-smg-routing-key header)")
             self._sessions.move_to_end(sid)
             self._used[sid] = _now()
             return s

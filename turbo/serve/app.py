@@ -259,6 +259,17 @@ async def health(request: Request):
 
 
 # the web chat page (docs/serving.md, "Web chat page"): static HTML + JS over the sessions API, outside /v1 (no key)
+@root.get("/model_info", include_in_schema=False)
+@root.get("/server_info", include_in_schema=False)
+@root.get("/get_model_info", include_in_schema=False)
+@root.get("/get_server_info", include_in_schema=False)
+async def model_info(request: Request):
+    """What sglang-router asks a worker when it registers it (SGLang's own endpoints): the id it lists at
+    ``/v1/models`` is ``served_model_name`` / ``model_path``, here the id clients pass as ``model``."""
+    s = served(request)
+    return {"model_path": s.model_id, "served_model_name": s.model_id, "is_generation": True, "max_context_length": s.client.session_len, "tp_size": 1, "dp_size": 1}
+
+
 @root.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def web_chat(request: Request):
     return HTMLResponse(served(request).chat_page)
@@ -302,8 +313,8 @@ async def chat_completions(request: Request):
     stored = await on_session(s, c.check_session, req.session_id)  # 404 first
     last = req.messages[-1]
     if last["role"] not in ("user", "tool"):
-        raise APIError(400, "with 'session_id' the last message must be the new one, the user's or a tool's result "
-                            "(the session keeps the earlier ones)", param="messages")
+        raise APIError(400, "with 'session_id' (or a session id in x-smg-routing-key) the last message must be the new "
+                            "one, the user's or a tool's result (the session keeps the earlier ones)", param="messages")
     if not isinstance(last["content"], str) or not last["content"].strip():
         raise APIError(400, "with 'session_id' the last message is the turn's text: it is empty or only whitespace",
                        param="messages")

@@ -461,7 +461,15 @@ def read_chat(data: dict, model_id: str, routing_key: str | None = None) -> Chat
     read_router_defaults(b)
     stream, include_usage, n = read_common(b, model_id, chat=True)
     sid = b.str("session_id")
-    by_header = sid is None and routing_key is not None and session_id_problem(routing_key) is None
+    keyed = routing_key is not None and routing_key.startswith("sess-")  # meant as a session id
+    if keyed and (why := session_id_problem(routing_key)):
+        raise APIError(400, f"the header x-smg-routing-key {routing_key[:40]!r} starts like a session id but {why}",
+                       param="x-smg-routing-key")
+    if keyed and sid is not None and sid != routing_key:
+        raise APIError(400, f"'session_id' {sid[:40]!r} and the header x-smg-routing-key {routing_key!r} name two "
+                            "sessions: a router sends the request by the header; send one id (the header)",
+                       param="session_id")
+    by_header = sid is None and keyed
     if by_header:
         sid = routing_key
     messages = read_messages(b.raw("messages"), link=sid is None)
@@ -469,8 +477,8 @@ def read_chat(data: dict, model_id: str, routing_key: str | None = None) -> Chat
     if top is not None and not want_lp:
         raise APIError(400, "'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
     if sid is not None and n > 1:
-        raise APIError(400, "'n' > 1 cannot continue a session (one history, one reply); leave out session_id or n",
-                       param="n")
+        raise APIError(400, "'n' > 1 cannot continue a session (one history, one reply); leave out session_id (or the "
+                            "session id in x-smg-routing-key) or n", param="n")
     if sid is None and b.has("on_disconnect"):
         raise APIError(400, "'on_disconnect' applies to session turns only: add 'session_id' or leave it out",
                        param="on_disconnect")
