@@ -38,6 +38,7 @@ def test_batch_of_32_with_preemption_matches_alone(smollm2_path, alone_outputs):
     # 12 blocks of 16 tokens: far less than 32 requests need at once, so the scheduler must preempt
     engine = Engine(smollm2_path, EngineConfig(dtype="float32", max_kv_tokens=192, block_size=16,
                                                max_num_batched_tokens=256))
+    engine.scheduler.decode_reserve = 0  # admit prompts until the pool is full, so decode must preempt
     gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     reqs = [engine.add_request(p, gen) for p in _prompts(32)]
     preemptions = 0
@@ -87,6 +88,7 @@ def test_batch_invariant_bf16_w4a16_matches_alone_bit_exact(smollm2_rtn_g64):
     alone = [alone_engine.generate(p, gen).token_ids for p in _prompts(32)]
     engine = Engine(smollm2_rtn_g64, EngineConfig(dtype="bfloat16", max_kv_tokens=192, block_size=16,
                                                    max_num_batched_tokens=256, batch_invariant=True))
+    engine.scheduler.decode_reserve = 0  # admit prompts until the pool is full, so decode must preempt
     reqs = [engine.add_request(p, gen) for p in _prompts(32)]
     while engine.has_unfinished():
         engine.step()

@@ -376,6 +376,7 @@ def test_quantized_cache_outputs_do_not_depend_on_batching_or_prefix_hits(smollm
     engine = Engine(smollm2_rtn_g64, EngineConfig(dtype="bfloat16", max_kv_tokens=160, block_size=16,
                                                   max_num_batched_tokens=128, batch_invariant=True,
                                                   kv_cache_dtype=kv_dtype))
+    engine.scheduler.decode_reserve = 0  # admit prompts until the pool is full, so decode must preempt
     reqs = [engine.add_request(p, gen) for p in prompts]
     while engine.has_unfinished():
         engine.step()
