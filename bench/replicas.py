@@ -54,47 +54,15 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(60)
 
 
-async def _turn(client, sid: str, content: str, max_tokens: int) -> dict:
-    """One streamed turn: {"text", "replica", "cached", "error"} (error: why the turn broke, else None)."""
+async def _stream(client, path: str, body: dict, headers: dict, replica_header: str, delta) -> dict:
+    """One streamed turn: {"text", "replica", "cached", "error"} (error: why the turn broke, else None). ``delta``:
+    the text piece of one event (the two endpoints' event shapes differ)."""
     import httpx
 
-    body = {"content": content, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     text, cached, error, replica = [], None, None, None
     try:
-        async with client.stream("POST", f"/v1/sessions/{sid}/chat", json=body) as r:
-            replica = r.headers.get("x-liteturbo-replica")
-            if r.status_code != 200:
-                return {"text": None, "replica": replica, "cached": None,
-                        "error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    error = ev["error"]["message"]
-                    break
-                text.append(ev["delta"])
-                if ev.get("usage"):
-                    cached = ev["usage"]["prompt_tokens_details"]["cached_tokens"]
-    except httpx.HTTPError as e:
-        error = f"{type(e).__name__}: {e}"
-    return {"text": "".join(text), "replica": replica, "cached": cached, "error": error}
-
-
-async def _chat_turn(client, sid: str, system: str, content: str, max_tokens: int) -> dict:
-    """One streamed turn through sglang-router: ``/v1/chat/completions`` with the session id as the routing key (the
-    header reaches the replica, which continues that session, the first turn opening it); the same result shape as
-    :func:`_turn`."""
-    import httpx
-
-    body = {"model": MODEL_ID, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True},
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}]}
-    text, cached, error, replica = [], None, None, None
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body,
-                                 headers={ROUTING_KEY_HEADER: sid}) as r:
-            replica = r.headers.get("x-liteturbo-server")
+        async with client.stream("POST", path, json=body, headers=headers) as r:
+            replica = r.headers.get(replica_header)
             if r.status_code != 200:
                 return {"text": None, "replica": replica, "cached": None,
                         "error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
@@ -105,16 +73,31 @@ async def _chat_turn(client, sid: str, system: str, content: str, max_tokens: in
                 if "error" in ev:
                     error = ev["error"]["message"] if isinstance(ev["error"], dict) else str(ev["error"])
                     break
-                for ch in ev.get("choices") or ():
-                    text.append(ch.get("delta", {}).get("content") or "")
+                text.append(delta(ev))
                 if ev.get("usage"):
                     cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             else:
                 if cached is None:
-                    error = "the stream ended without its usage chunk"
+                    error = "the stream ended without its usage"
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
     return {"text": "".join(text), "replica": replica, "cached": cached, "error": error}
+
+
+async def _turn(client, sid: str, content: str, max_tokens: int) -> dict:
+    """One streamed turn of the sessions REST API through `liteturbo route --builtin` (see :func:`_stream`)."""
+    body = {"content": content, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    return await _stream(client, f"/v1/sessions/{sid}/chat", body, {}, "x-liteturbo-replica", lambda ev: ev["delta"])
+
+
+async def _chat_turn(client, sid: str, system: str, content: str, max_tokens: int) -> dict:
+    """One streamed turn through sglang-router: ``/v1/chat/completions`` with the session id as the routing key (the
+    header reaches the replica, which continues that session, the first turn opening it); see :func:`_stream`."""
+    body = {"model": MODEL_ID, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}]}
+    return await _stream(client, "/v1/chat/completions", body, {ROUTING_KEY_HEADER: sid}, "x-liteturbo-server",
+                         lambda ev: "".join(ch.get("delta", {}).get("content") or "" for ch in ev.get("choices") or ()))
 
 
 async def _run(url: str, args, on_turn=None) -> dict:
@@ -125,6 +108,7 @@ async def _run(url: str, args, on_turn=None) -> dict:
     limits = httpx.Limits(max_connections=args.sessions + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def session(i: int) -> list[dict]:
+            """Client ``i``: its session's turns, each sent again until it is answered whole."""
             system = "You are a terse assistant."
             if args.router == "builtin":
                 r = await client.post("/v1/sessions", json={"system": system})
@@ -247,6 +231,7 @@ def main() -> None:
         killed, kill_turn = None, None
 
         def maybe_kill(n: int) -> None:
+            """After ``n`` turns ended: SIGKILL the first replica's process group once ``--kill-after`` is reached."""
             nonlocal killed, kill_turn
             if killed is None and not args.no_kill and n >= args.kill_after:
                 killed, kill_turn = urls[0] if args.router == "builtin" else urls[0].split("://")[1], n
