@@ -154,12 +154,38 @@ def eq_apply(model, alpha, pairs=("qkv", "up", "v", "gate")):
             else:
                 model.get_submodule(p + "mlp.down_proj").weight.copy_(q(wd))
 
+
+def hqq(w, d, p=0.7, iters=20, beta=10.0, kappa=1.01, gs=64):
+    """HQQ-style half-quadratic fit (Badri & Shaji 2023) in the stored format: integer zero points, a free fp16
+    scale per group, minimizing sum |err|^p (p < 1, outlier-robust) by alternating an l_p shrinkage of the error
+    with a closed-form least-squares scale; starts from min/max."""
+    o, i = w.shape
+    g = w.reshape(o, i // gs, gs).float()
+    s, z = group_params(g, 4, False)
+    for _ in range(iters):
+        q = torch.clamp(torch.round(g / s[..., None]) + z[..., None], 0, 15)
+        r = g - (q - z[..., None]) * s[..., None]
+        e = torch.sign(r) * torch.relu(r.abs() - r.abs().clamp(min=1e-12).pow(p - 1) / beta)
+        t = g - e  # what the grid should represent
+        qz = q - z[..., None]
+        s = ((qz * t).sum(-1) / (qz * qz).sum(-1).clamp(min=1e-12)).clamp(min=1e-8).half().float()
+        beta *= kappa
+    return fq(w, s, z, gs)
+
+def plain_gs(w, d, gs):
+    """Min/max rounding with group size ``gs``."""
+    s, z = group_params(w.reshape(w.shape[0], -1, gs), 4, False); return fq(w, s, z, gs)
+
 exps = {
  "16bit": None,
  "plain": (plain, "none"),
  "mse2.4": (lambda w, d: grid(w, d, norm=2.4), "none"),
  "mse2": (lambda w, d: grid(w, d, norm=2.0), "none"),
  "wmse2": (lambda w, d: grid(w, d, norm=2.0), "proxy"),
+ "hqq0.7": (hqq, "none"),
+ "hqq0.5": (lambda w, d: hqq(w, d, p=0.5), "none"),
+ "hqq1": (lambda w, d: hqq(w, d, p=1.0, beta=1e4), "none"),
+ "plain32": (lambda w, d: plain_gs(w, d, 32), "none"),
  "wmse2-lohi": (lambda w, d: grid(w, d, shrink=0.15, steps=7, norm=2.0, lo_hi=True), "proxy"),
 }
 for name in sys.argv[1].split(","):

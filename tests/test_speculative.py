@@ -1,27 +1,87 @@
-"""Speculative decoding from the request's own history (turbo/core/speculative.py): prompt lookup and acceptance by
-hand, and the engine's greedy output with drafts equal to the output without, token for token (float32), with stop
-strings and token limits inside an accepted run, in a session and beside other requests, and the prefix cache kept
-clean of rejected drafts."""
+"""Speculative decoding from history (turbo/core/speculative.py): prompt lookup, the suffix index, recent outputs,
+draft-length adaptation and acceptance by hand; the engine's output with drafts equal to the output without, token
+for token (float32: greedy, sampled with a seed, with penalties, logprobs and a JSON schema), with stop strings and
+token limits inside an accepted run, in a session and beside other requests, and the prefix cache kept clean of
+rejected drafts. The distribution test and the batch-invariant 16-bit test are in test_speculative_exact.py."""
 from __future__ import annotations
 
 import pytest
 
 from lite.formats import LiteturboError
 from turbo import Engine, EngineConfig, GenerationConfig
-from turbo.core.speculative import accepted, eligible, propose
+from turbo.core.speculative import (DraftState, RecentOutputs, SuffixIndex, accepted, eligible, propose_ngram,
+                                    propose_suffix)
 
 
 def test_prompt_lookup_and_acceptance_by_hand():
     h = [5, 6, 7, 8, 9, 1, 2, 6, 7, 8]
-    assert propose(h, 3) == [9, 1, 2]  # "6 7 8" seen before, followed by 9 1 2
-    assert propose([1, 2, 3, 4], 2) == []  # no earlier match
-    assert propose([3, 4, 1, 2, 9, 9, 3, 4], 4) == [1, 2, 9, 9]  # 2-gram when no 3-gram matches
-    assert propose([1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2]  # the most recent match, cut by the history's end
+    assert propose_ngram(h, 3) == [9, 1, 2]  # "6 7 8" seen before, followed by 9 1 2
+    assert propose_ngram([1, 2, 3, 4], 2) == []  # no earlier match
+    assert propose_ngram([3, 4, 1, 2, 9, 9, 3, 4], 4) == [1, 2, 9, 9]  # 2-gram when no 3-gram matches
+    assert propose_ngram([1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2]  # the most recent match, cut by the history's end
     assert accepted([4, 5, 6], [4, 5, 9]) == 2 and accepted([1], []) == 0 and accepted([7, 8], [8]) == 0
-    assert eligible(GenerationConfig(speculative=2)) and not eligible(GenerationConfig(speculative=2, temperature=1))
-    assert not eligible(GenerationConfig(speculative=2, logprobs=2)) and not eligible(GenerationConfig())
+    # every sampling option may speculate now (verified exactly); 0 is off
+    assert eligible(GenerationConfig(speculative=2, temperature=1, logprobs=2)) and not eligible(GenerationConfig())
     with pytest.raises(LiteturboError, match="speculative"):
         GenerationConfig(speculative=17)
+
+
+def test_suffix_index_takes_the_longest_earlier_match_by_hand():
+    # the tail "5 1 2 3 7 8" occurred whole once; "3 7 8" alone more recently: prompt lookup takes the recent 3-gram
+    h = [5, 1, 2, 3, 7, 8, 40, 41, 0, 0, 3, 7, 8, 50, 51, 5, 1, 2, 3, 7, 8]
+    assert SuffixIndex(h).match(h, 2, own=True) == (6, [40, 41])
+    assert propose_ngram(h, 2) == [50, 51]
+    h2 = [9, 7, 8, 40, 3, 7, 8, 50, 7, 8]
+    assert SuffixIndex(h2).match(h2, 1, own=True) == (2, [50])  # equal lengths: the most recent
+    assert SuffixIndex([1, 2]).match([1, 2], 3, own=True) == (0, [])  # its own tail is no match
+    # growing in place, then a shorter list (a rolled-back turn) re-indexes
+    h3 = [4, 5, 6, 4, 5]
+    idx = SuffixIndex(h3)
+    assert idx.match(h3, 2, own=True) == (2, [6, 4])
+    h3 += [6, 9, 4, 5]
+    idx.sync()
+    assert idx.match(h3, 3, own=True) == (2, [6, 9, 4])  # two matches of length 2: the most recent
+    h4 = [4, 5, 7, 4, 5]
+    idx.sync(h4)
+    assert idx.match(h4, 3, own=True) == (2, [7, 4, 5])
+
+
+def test_recent_outputs_draft_across_requests_but_not_across_outputs_and_stay_bounded():
+    r = RecentOutputs(capacity=40)
+    r.add([10, 11, 12, 13, 14])
+    r.add([20, 21, 22])
+    assert r.match([1, 11, 12], 3) == (2, [13, 14])  # stops at the end of that output
+    assert r.match([13, 14], 2) == (0, [])  # nothing after the last token of an output
+    st = DraftState()
+    # the request's own history has "11 12" followed by 99 but the server's longer match wins
+    assert propose_suffix(st, [11, 12, 99, 5, 10, 11, 12], 2, r) == [13, 14]
+    assert propose_suffix(DraftState(), [11, 12, 99, 5, 11, 12], 2, r) == [99, 5]  # a tie: its own history
+    for i in range(20):
+        r.add([100 + i] * 5)
+    assert len(r.index.tokens) <= 40 and r.match([104, 104], 1) == (0, [])  # the oldest were dropped
+    assert r.match([119, 119], 1) == (2, [119])
+
+
+def test_draft_length_adapts_to_acceptance():
+    st = DraftState(length=2)
+    st.update(2, 2, k=8)
+    assert st.length == 4  # all kept: two more
+    st.update(4, 1, k=8)
+    assert st.length == 3  # any other outcome: one less
+    st.update(3, 0, k=8)
+    st.update(2, 0, k=8)
+    st.update(1, 0, k=8)
+    assert st.length == 1 and st.paused == 0
+    st.update(1, 0, k=8)  # the 4th step in a row with nothing kept: drafting pauses
+    assert st.paused > 0
+    st.length = 7
+    st.update(7, 7, k=8)
+    assert st.length == 8  # never above k
+    # a short match drafts the current length, a long one the full k
+    h = list(range(100, 120)) + [1, 2, 3, 4, 5, 6] + list(range(100, 120))
+    st = DraftState(length=2)
+    assert propose_suffix(st, h, 6, None) == [1, 2, 3, 4, 5, 6]  # 20 tokens matched
+    assert propose_suffix(DraftState(length=2), [7, 8, 1, 2, 3, 9, 7, 8], 6, None) == [1, 2]
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,11 @@ class EngineConfig:
     session_overflow: a session turn that would exceed ``session_len``: ``"refuse"`` (default; the error gives both
     numbers and the session stays as it was) or ``"drop-oldest"`` (the oldest whole turns are dropped, the system
     prompt kept, until it fits; the session then forgets them; the command line's ``--session-overflow``).
+    speculative_drafter: where speculating requests (``GenerationConfig.speculative``) draft from:
+    ``"suffix"`` (default: the longest earlier match of their tail in their own history or the server's recent
+    outputs, draft length adapted per request) or ``"ngram"`` (prompt lookup: the last 3, then 2 tokens in their own
+    history, fixed length); see :mod:`turbo.core.speculative`. speculative_recent_tokens: tokens of recent outputs
+    kept for those drafts (default 65,536; 0: none).
     """
 
     backend: str = "auto"
@@ -115,6 +120,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     session_host_gib: float = 0.0
     session_overflow: str = "refuse"
+    speculative_drafter: str = "suffix"
+    speculative_recent_tokens: int = 65536
 
     def __post_init__(self) -> None:
         if isinstance(self.device, torch.device):
@@ -130,6 +137,13 @@ class EngineConfig:
             _coerce(self, name, "float", optional=True)
         _coerce(self, "session_host_gib", "float")
         _coerce(self, "session_overflow", "str")
+        _coerce(self, "speculative_drafter", "str")
+        _coerce(self, "speculative_recent_tokens", "int")
+        if self.speculative_drafter not in ("suffix", "ngram"):
+            raise LiteturboError(f"speculative_drafter must be 'suffix' or 'ngram', got {self.speculative_drafter!r}")
+        if self.speculative_recent_tokens < 0:
+            raise LiteturboError(f"speculative_recent_tokens must be >= 0 (0: no drafts from recent outputs), got "
+                                 f"{self.speculative_recent_tokens}")
         if self.session_overflow not in ("refuse", "drop-oldest"):
             raise LiteturboError(f"session_overflow must be 'refuse' or 'drop-oldest', got {self.session_overflow!r}")
         if not 0 <= self.session_host_gib < math.inf:
@@ -329,9 +343,10 @@ class GenerationConfig:
     token. logit_bias: ``{token id: bias}`` added to those tokens' logits before sampling (with the penalties,
     so logprobs see it), each in [-100, 100] (OpenAI's ``logit_bias``; -100 bans a token in practice).
 
-    speculative: draft up to this many tokens per step by prompt lookup (the last tokens matched against the
-    request's own history) and verify them in one forward (:mod:`turbo.core.speculative`); greedy only (a request that
-    samples, has penalties, a logit bias, a constraint or logprobs decodes normally); 0 = off.
+    speculative: draft up to this many tokens per step from history (the request's own tokens, the server's recent
+    outputs: ``EngineConfig.speculative_drafter``) and verify them in one forward (:mod:`turbo.core.speculative`),
+    exactly at any temperature and with every sampling option (penalties, logit bias, constraints and logprobs
+    apply at every verified position); 0 = off.
 
     Constrained decoding (at most one; compiled by llguidance when the request is added, see
     :mod:`turbo.core.guided`): json_schema: a JSON schema (a dict, ``True``, or its JSON text) the reply must

@@ -70,6 +70,9 @@ class EngineCore:
         self.lock = threading.RLock()
         self._ids = itertools.count()
         self.counters = EngineCounters()
+        # the server's recent outputs, drafted from by speculating requests (turbo/core/speculative.py)
+        self.recent_outputs = (speculative.RecentOutputs(self.config.speculative_recent_tokens)
+                               if self.config.speculative_recent_tokens > 0 else None)
 
     # --- requests --------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], gen: GenerationConfig | None = None, priority: int = 0,
@@ -169,6 +172,8 @@ class EngineCore:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.end(reason)
+        if reason in ("stop", "length") and self.recent_outputs is not None:
+            self.recent_outputs.add(req.output_ids)
         self.scheduler.finish(req.seq, keep_cache=req.keep_cache)
         self.requests.pop(req.seq.seq_id, None)
 
@@ -212,10 +217,12 @@ class EngineCore:
             return [req for req, _ in rows]
 
     def _propose_drafts(self) -> None:
-        """Prompt-lookup drafts of speculating requests, as data on their sequences (the scheduler fits them)."""
+        """Drafts of speculating requests from their history and the server's recent outputs, as data on their
+        sequences (the scheduler fits them)."""
         for req in self.requests.values():
             if req.gen.speculative:
-                req.seq.draft_ids = speculative.draft(req, self.session_len)
+                req.seq.draft_ids = speculative.draft(req, self.session_len, self.config.speculative_drafter,
+                                                      self.recent_outputs)
 
     def _execute(self, sched: SchedulerOutput) -> StepOutput:
         """Compute ``sched`` (one forward; constraints' masks on a CPU thread beside it) and sample its rows."""
@@ -271,48 +278,65 @@ class EngineCore:
         """The allowed-token masks of the step's constrained rows that will sample, started on a worker thread."""
         guides = [self.requests[seq.seq_id].guide if sampled else None
                   for seq, sampled in zip(sched.seqs, sched.sampled)]
-        return MaskJob(guides, self.vocab_size) if any(g is not None for g in guides) else None
+        if not any(g is not None for g in guides):
+            return None
+        return MaskJob(guides, self.vocab_size, sched.drafts)
 
-    def _sample(self, logits: torch.Tensor, sched: SchedulerOutput, masks: dict[int, torch.Tensor]) -> StepOutput:
-        """The :class:`StepOutput` of the step's sampled rows: a row with drafts verifies them
-        (:func:`turbo.core.speculative.verify`); the others get a token each from one batched draw on the logits'
-        device (one host synchronization). A row whose sampling fails alone gets its error. ``masks``: step row ->
-        the tokens its constraint allows."""
+    def _sample(self, logits: torch.Tensor, sched: SchedulerOutput, masks: dict) -> StepOutput:
+        """The :class:`StepOutput` of the step's sampled rows, from one batched draw on the logits' device (one host
+        synchronization): a row with ``k`` drafts samples its ``k + 1`` positions as non-speculative decoding would
+        (penalties over its output plus the drafts before, the constraint's mask at each position, its generator's
+        next draws) and keeps the drafts equal to the sampled tokens plus the first sampled token that differs
+        (:mod:`turbo.core.speculative`); its generator is set back to the state after the tokens kept. A request
+        whose sampling fails alone gets its error. ``masks``: (step row, position) -> the tokens its constraint
+        allows."""
         out, c = StepOutput(), self.counters
         first_row = list(itertools.accumulate((len(d) + 1 for d in sched.drafts), initial=0))
-        plain = []
+        plan, opts, rows = [], [], []
         for i, seq in enumerate(sched.seqs):
             if not sched.sampled[i]:
                 continue
             req, d = self.requests[seq.seq_id], sched.drafts[i]
-            if d:
-                out.new_token_ids[i], out.num_accepted[i] = speculative.verify(logits, first_row[i], d)
-                c.spec_steps, c.spec_drafted, c.spec_accepted = (c.spec_steps + 1, c.spec_drafted + len(d),
-                                                                 c.spec_accepted + out.num_accepted[i])
-                continue
             if not req.output_ids:
                 c.prefill_tokens += req.prompt_len - req.cached_tokens
                 c.last_prefill_tokens = req.prompt_len - req.cached_tokens
-            else:
+            elif not d:
                 c.decode_tokens += 1
-            plain.append((i, req))
-        if not plain:
+            prompt = req.seq.token_ids[:req.prompt_len] if req.gen.repetition_penalty != 1.0 else ()
+            plan.append((i, req, d, len(opts)))
+            for j in range(len(d) + 1):
+                hist = req.output_ids + d[:j] if j else req.output_ids
+                banned = req.stop_ids if len(hist) < req.gen.min_new_tokens and req.guide is None else ()
+                opts.append(RowSampling.of(req.gen, generator=req.rng, output_ids=hist, prompt_ids=prompt,
+                                           banned_ids=banned, token_mask=masks.get((i, j)), keep_state=bool(d)))
+                rows.append(first_row[i] + j)
+        if not plan:
             return out
-        opts = [RowSampling.of(
-            req.gen, generator=req.rng, output_ids=req.output_ids,
-            prompt_ids=req.seq.token_ids[:req.prompt_len] if req.gen.repetition_penalty != 1.0 else (),
-            banned_ids=req.stop_ids if len(req.output_ids) < req.gen.min_new_tokens and req.guide is None else (),
-            token_mask=masks.get(i)) for i, req in plain]
-        rows = [first_row[i] for i, _ in plain]
         try:
             picks = sample_batch(logits, opts, rows)
-        except Exception:  # some request's sampling failed: find it by sampling each row alone
-            picks = [self._sample_alone(logits, row, req, opt) for row, (_, req), opt in zip(rows, plain, opts)]
-        for (i, _), pick in zip(plain, picks):
-            if isinstance(pick, Exception):
-                out.errors[i] = pick
-            else:
-                out.new_token_ids[i], out.logprobs[i] = [pick.token_id], pick.logprobs
+        except Exception:  # some request's sampling failed: find it by sampling each request's rows alone
+            picks = []
+            for i, req, d, at in plan:
+                picks += self._sample_alone(logits, rows[at:at + len(d) + 1], req, opts[at:at + len(d) + 1])
+        for i, req, d, at in plan:
+            got = picks[at:at + len(d) + 1]
+            bad = next((p for p in got if isinstance(p, Exception)), None)
+            if bad is not None:
+                out.errors[i] = bad
+                continue
+            toks = [p.token_id for p in got]
+            if d:
+                a = speculative.accepted(toks, d)
+                toks = toks[:a + 1]
+                out.num_accepted[i] = a
+                if req.rng is not None and opts[at + a].state_after is not None:
+                    req.rng.set_state(opts[at + a].state_after)  # as if only the kept tokens were drawn
+                req.draft_state.update(len(d), a, req.gen.speculative)
+                c.spec_steps, c.spec_drafted, c.spec_accepted = (c.spec_steps + 1, c.spec_drafted + len(d),
+                                                                 c.spec_accepted + a)
+            out.new_token_ids[i] = toks
+            if req.gen.logprobs:
+                out.logprobs[i] = [p.logprobs for p in got[:len(toks)]]
         return out
 
     def _apply_stop_rules(self, sched: SchedulerOutput, out: StepOutput) -> list[tuple[Request, str | None]]:
@@ -329,7 +353,8 @@ class EngineCore:
                 for j, tok in enumerate(toks):
                     self.counters.generated_tokens += 1
                     self.counters.decode_tokens += i in out.num_accepted
-                    reason = req.append_token(tok, out.logprobs.get(i), self.session_len)
+                    lps = out.logprobs.get(i)
+                    reason = req.append_token(tok, lps[j] if lps else None, self.session_len)
                     if reason is not None:
                         break
             except Exception as e:  # this request's sampling failed: it alone ends, with the error kept
@@ -339,13 +364,15 @@ class EngineCore:
         return rows
 
     @staticmethod
-    def _sample_alone(logits: torch.Tensor, row: int, req: Request, opt: RowSampling):
+    def _sample_alone(logits: torch.Tensor, rows: list[int], req: Request, opts: list[RowSampling]) -> list:
+        """One request's rows sampled on their own: their :class:`Sampled` picks, or its error for each row."""
         try:
-            return sample_batch(logits, [opt], [row])[0]
+            return sample_batch(logits, opts, rows)
         except SamplingError as e:
-            return LiteturboError(f"request {req.seq.seq_id}: {e.reason}")
-        except Exception as e:
-            return e
+            err = LiteturboError(f"request {req.seq.seq_id}: {e.reason}")
+        except Exception as e:  # noqa: BLE001 - this request alone fails
+            err = e
+        return [err] * len(rows)
 
     # --- the tiers of session KV ----------------------------------------------------------------------------
     def _move_kv(self, sched: SchedulerOutput) -> None:

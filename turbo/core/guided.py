@@ -177,6 +177,25 @@ class Guide:
             raise InvalidRequest(f"the {self.field} constraint refused token {token_id}: "
                                  f"{_reason(self.matcher.get_error()) or 'not allowed here'}")
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from its current state (it does not advance)."""
+        if self.matcher.is_stopped():
+            return 0
+        return self.matcher.validate_tokens(tokens)
+
+    def fill_drafts(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> int:
+        """Write the masks of the next positions into ``bitmask[row:]`` (position ``j``: after ``drafts[:j]``), for
+        the drafts the grammar accepts and the one after them, advancing through them and rolling back after.
+        Returns the number of masks written (``1 +`` the drafts accepted)."""
+        n = self.valid_prefix(drafts)
+        for j in range(n + 1):
+            self.fill(bitmask, row + j)
+            if j < n:
+                self.matcher.consume_token(drafts[j])
+        if n:
+            self.matcher.rollback(n)
+        return n + 1
+
     @property
     def stopped(self) -> bool:
         """Whether the grammar can take no more tokens (the reply is complete)."""
@@ -204,23 +223,30 @@ def mask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 class MaskJob:
     """The masks of one step's guided rows: llguidance fills them on a worker thread, started before the forward and
-    read after it (:meth:`result` unpacks them on the caller's thread).
+    read after it (:meth:`result` unpacks them on the caller's thread). A row with speculative drafts gets a mask per
+    verified position (:meth:`Guide.fill_drafts`).
 
     No torch operation runs on the worker: a torch op on another thread starts a second OpenMP thread team, whose
     spinning threads then compete with the forward's for the cores (measured here: decode of every request, free
     ones too, at half speed after the first constrained one). ``guides``: the :class:`Guide` of each row that will
-    sample (``None``: unconstrained). :meth:`result` returns ``{index: mask [vocab]}`` (:func:`mask_bias`: 0 or
-    ``-inf``, float32) for the guided rows, or
-    raises what the computation raised; then ``compute_s`` is the seconds llguidance took on the worker and
-    ``wait_s`` the seconds :meth:`result` waited for it (the part the forward did not hide)."""
+    sample (``None``: unconstrained); ``drafts``: each row's drafts (default none). :meth:`result` returns
+    ``{(row, position): mask [vocab]}`` (:func:`mask_bias`: 0 or ``-inf``, float32) for the guided rows' positions
+    (a position after a draft the grammar refuses has none), or raises what the computation raised; then
+    ``compute_s`` is the seconds llguidance took on the worker and ``wait_s`` the seconds :meth:`result` waited for
+    it (the part the forward did not hide)."""
 
     _pool: ThreadPoolExecutor | None = None
 
-    def __init__(self, guides: list[Guide | None], vocab_size: int) -> None:
+    def __init__(self, guides: list[Guide | None], vocab_size: int, drafts: list[list[int]] | None = None) -> None:
         self.index = [i for i, g in enumerate(guides) if g is not None]
+        self.drafts = [drafts[i] if drafts else [] for i in self.index]
         self.vocab_size = vocab_size
         self.compute_s = self.wait_s = 0.0
-        self.bitmask = torch.zeros((len(self.index), bitmask_words(vocab_size)), dtype=torch.int32)  # this thread
+        self.first = [0]
+        for d in self.drafts:
+            self.first.append(self.first[-1] + len(d) + 1)
+        self.written = [0] * len(self.index)
+        self.bitmask = torch.zeros((self.first[-1], bitmask_words(vocab_size)), dtype=torch.int32)  # this thread
         self.future: Future | None = None
         if self.index:
             if MaskJob._pool is None:
@@ -230,15 +256,20 @@ class MaskJob:
     def _fill(self, guides: list[Guide]) -> None:
         t0 = time.perf_counter()
         for r, g in enumerate(guides):
-            g.fill(self.bitmask, r)
+            d = self.drafts[r]
+            if d:
+                self.written[r] = g.fill_drafts(self.bitmask, self.first[r], d)
+            else:
+                g.fill(self.bitmask, self.first[r])
+                self.written[r] = 1
         self.compute_s = time.perf_counter() - t0
 
-    def result(self) -> dict[int, torch.Tensor]:
-        """Wait for the masks; ``{row: float32 [vocab] of 0 / -inf}`` (see the class docstring)."""
+    def result(self) -> dict[tuple[int, int], torch.Tensor]:
+        """Wait for the masks; ``{(row, position): float32 [vocab] of 0 / -inf}`` (see the class docstring)."""
         if self.future is None:
             return {}
         t0 = time.perf_counter()
         self.future.result()
         self.wait_s = time.perf_counter() - t0
         masks = mask_bias(self.bitmask, self.vocab_size)
-        return {i: masks[r] for r, i in enumerate(self.index)}
+        return {(i, j): masks[self.first[r] + j] for r, i in enumerate(self.index) for j in range(self.written[r])}

@@ -15,6 +15,7 @@ from ..config import GenerationConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
 from .guided import Guide
 from .scheduler import Sequence
+from .speculative import DraftState
 
 
 @dataclass
@@ -42,13 +43,13 @@ class StepOutput:
     ``new_token_ids[row]``: the tokens the row's sequence gets, in order: its accepted draft tokens, then the model's
     next token (cut after a token that ends the request). Rows absent computed a prompt chunk, or failed
     (``errors[row]``: the exception that ends the row's request). ``num_accepted[row]``: how many of its drafts the
-    model agreed with (their K/V was computed in the step; rejected drafts' is dropped). ``logprobs[row]``: the top
-    log-probabilities of its sampled token when the request asks for them.
+    model agreed with (their K/V was computed in the step; rejected drafts' is dropped). ``logprobs[row]``: per new
+    token, the top log-probabilities of the distribution it was sampled from, when the request asks for them.
     """
 
     new_token_ids: dict[int, list[int]] = field(default_factory=dict)
     num_accepted: dict[int, int] = field(default_factory=dict)
-    logprobs: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)
     errors: dict[int, BaseException] = field(default_factory=dict)
 
 
@@ -93,6 +94,7 @@ class Request:
     rng: torch.Generator | None
     keep_cache: bool = False
     guide: Guide | None = None  # the request's constraint (turbo.core.guided), None when free
+    draft_state: DraftState = field(default_factory=DraftState)  # speculative drafting (turbo.core.speculative)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)

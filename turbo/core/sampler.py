@@ -39,7 +39,9 @@ class RowSampling:
     ``logprobs``: also return the top-n log-probabilities. ``token_mask``: float32 ``[vocab]`` (CPU or the logits'
     device), 0 for the tokens a constraint allows and ``-inf`` for the others, added to the logits (``None``: all
     allowed). ``generator`` draws this row's random numbers; it
-    must live on the logits' device (``None``: torch's default generator of that device)."""
+    must live on the logits' device (``None``: torch's default generator of that device). ``keep_state``: after this
+    row's draw, keep the generator's state in ``state_after`` (a verify step sets it back to the state after the
+    tokens it keeps, :mod:`turbo.core.speculative`)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -55,6 +57,8 @@ class RowSampling:
     logprobs: int = 0
     generator: torch.Generator | None = None
     token_mask: torch.Tensor | None = None
+    keep_state: bool = False  # keep the generator's state after this row's draw in ``state_after`` (speculation)
+    state_after: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, gen, **kwargs) -> "RowSampling":
@@ -172,6 +176,8 @@ def _draw(s: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
     q = torch.empty((n, vocab), dtype=torch.float32, device=dev)
     for i, r in enumerate(rows):  # each row with its own generator, in vocabulary order: batch-independent
         q[i].uniform_(generator=r.generator)
+        if r.keep_state and r.generator is not None:
+            r.state_after = r.generator.get_state()
     q = q.log_().neg_()  # Exp(1) from u in [0, 1): q in (0, inf]; on CPU ~5x cheaper than exponential_
     if order is not None:
         q = q.gather(1, order)

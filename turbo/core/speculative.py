@@ -1,36 +1,171 @@
-"""Speculative decoding from the request's own history (prompt lookup, model-free): draft tokens, then verify them.
+"""Speculative decoding from history (model-free drafts), verified exactly at any temperature.
 
-A greedy request with ``GenerationConfig(speculative=k)`` drafts up to ``k`` tokens per step: the last ``n`` tokens
-(``n`` from :data:`MAX_NGRAM` down to :data:`MIN_NGRAM`) are looked up in its earlier tokens (prompt and output, the
-most recent match first) and the tokens that followed that match are the draft (Saxena 2023, "prompt lookup
-decoding"; vLLM's ``ngram`` speculator). The engine proposes the draft as data on the sequence
-(``Sequence.draft_ids``, :func:`draft`), the scheduler schedules it when the budget and pool allow
-(``SchedulerOutput.drafts``), the step computes it with the last real token (``k + 1`` rows, one forward), and
-:func:`verify` keeps the drafted tokens the model's greedy choice agrees with, plus the model's own next token:
-between 1 and ``k + 1`` tokens a step. The scheduler rolls back the rejected drafts in ``update_from_output`` (their
-KV is never offered to the prefix cache). Greedy only: the output is the model's greedy output (up to float rounding
-of a multi-row step, which can flip a near-tie). Pure functions of a request's data: nothing here touches the engine.
+**Drafts.** A request with ``GenerationConfig(speculative=k)`` drafts up to ``k`` tokens per step from text it has
+seen: the longest suffix of its tokens (at least :data:`MIN_MATCH`, at most :data:`MAX_MATCH` tokens) that occurred
+earlier in its own history (:class:`SuffixIndex` over the sequence's tokens: its prompt, i.e. every earlier turn and
+tool result of a session, and its output) or in the server's recent outputs (:class:`RecentOutputs`, bounded, per
+engine), and the tokens that followed that occurrence are the draft (the most recent one among equally long
+matches; the request's own history wins a tie). This generalizes prompt lookup (Saxena 2023; vLLM's ``ngram``
+speculator: the last 3, then 2 tokens, the most recent match; kept as :func:`propose_ngram`, drafter ``"ngram"``)
+toward suffix decoding (Oliaro et al. 2024, SuffixDecoding: a suffix structure over prompts and past outputs, the
+longest match). The draft length adapts per request (:class:`DraftState`), unless the match is at least :data:`LONG_MATCH`
+tokens long (then up to ``k``): it grows by two after a step that
+accepted every draft and shrinks by one after any other (Hugging Face's assisted generation heuristic), between 1
+and ``k``; a request whose drafts keep failing pauses drafting for a few steps.
+
+**Verification** (one forward of the last real token and the ``k`` drafts: ``k + 1`` logits rows): row ``j`` is
+sampled as the ``j``-th next token would be without speculation, with the request's penalties (its output so far
+plus ``drafts[:j]``), logit bias, banned ids, constraint mask at that position (:mod:`turbo.core.guided`), top-k /
+top-p / min-p and temperature, and with the ``j``-th draw of the request's own generator (the exponential race of
+:mod:`turbo.core.sampler`). The drafts equal to the sampled tokens are kept, then the first sampled token that
+differs (or the one after the last draft): between 1 and ``k + 1`` tokens a step, and the generator is set back to
+its state after the draws of the tokens kept, so each kept token consumed exactly one draw. Every kept token is
+therefore the token non-speculative decoding samples at that position from the same logits and the same draw: the
+output distribution is exactly the model's, at any temperature (for a point-mass draft ``d`` this is the standard
+rejection rule, Leviathan et al. 2023 / Chen et al. 2023: ``d`` is accepted with probability ``p(d)`` and a rejection
+draws from ``p`` without ``d``, renormalized). When the logits rows also equal the single-step ones
+(``batch_invariant=True``, or float32), the same seed gives the same tokens with or without speculation; in 16-bit
+a ``k + 1``-row forward can round differently from ``k + 1`` single steps and flip a near tie.
+
+Pure functions and small state of a request's data: nothing here touches the engine.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .scheduler import Status
 
-MAX_NGRAM = 3
-MIN_NGRAM = 2
+MIN_MATCH = 2  # the shortest suffix looked up
+MAX_MATCH = 64  # the longest suffix compared (a longer match is as good)
+LONG_MATCH = 12  # a match this long drafts the full length, whatever the acceptance so far
+MAX_CANDIDATES = 64  # earlier occurrences of the last MIN_MATCH tokens examined, the most recent first
+NGRAM_MAX = 3  # prompt lookup: the last 3, then 2 tokens
+PAUSE_AFTER = 4  # draft steps in a row that accepted nothing before drafting pauses
+PAUSE_STEPS = 8  # steps drafting pauses for
+
+
+class SuffixIndex:
+    """The positions of every :data:`MIN_MATCH`-token window of a growing token list, for longest-suffix lookups.
+
+    ``tokens``: the list indexed (kept by reference: call :meth:`sync` after it grows; a list that shrank or changed
+    is re-indexed). A token ``< 0`` is a separator: no window spans it and no draft crosses it."""
+
+    def __init__(self, tokens: list[int] | None = None) -> None:
+        self.tokens: list[int] = tokens if tokens is not None else []
+        self.grams: dict[tuple[int, int], list[int]] = {}
+        self.indexed = 0  # the length of ``tokens`` at the last sync (its windows are in ``grams``)
+        self.last: int | None = None
+        self.sync()
+
+    def sync(self, tokens: list[int] | None = None) -> None:
+        """Index the windows added since the last call (``tokens``: a new list to follow). A list that shrank or
+        whose last indexed token changed is re-indexed from the start."""
+        if tokens is not None:
+            self.tokens = tokens
+        toks, n = self.tokens, self.indexed
+        if len(toks) < n or (n and toks[n - 1] != self.last):
+            self.grams, n = {}, 0
+        grams = self.grams
+        for e in range(max(n + 1, MIN_MATCH), len(toks) + 1):
+            a, b = toks[e - 2], toks[e - 1]
+            if a >= 0 and b >= 0:
+                grams.setdefault((a, b), []).append(e)  # e: where the continuation after the window starts
+        self.indexed = len(toks)
+        self.last = toks[-1] if toks else None
+
+    def match(self, context: list[int], k: int, own: bool = False) -> tuple[int, list[int]]:
+        """``(match length, up to k tokens that followed it)`` for the longest suffix of ``context`` found in the
+        indexed tokens (ties: the most recent); ``(0, [])`` when none of at least :data:`MIN_MATCH` is. ``own``:
+        ``context`` is the indexed list itself (its own tail is not a match)."""
+        if len(context) < MIN_MATCH or k <= 0:
+            return 0, []
+        toks = self.tokens
+        cands = self.grams.get((context[-2], context[-1]))
+        if not cands:
+            return 0, []
+        best_len, best_at = 0, -1
+        limit = len(toks) if not own else len(context)  # own: the continuation must exist (not the tail itself)
+        seen = 0
+        for e in reversed(cands):
+            if e >= limit or toks[e] < 0:  # no continuation: the tail itself, or the end of an output
+                continue
+            seen += 1
+            if seen > MAX_CANDIDATES:
+                break
+            n = MIN_MATCH
+            top = min(MAX_MATCH, e, len(context) - (1 if own else 0))
+            while n < top and toks[e - 1 - n] == context[-1 - n] and toks[e - 1 - n] >= 0:
+                n += 1
+            if n > best_len:
+                best_len, best_at = n, e
+                if n >= MAX_MATCH:
+                    break
+        if best_at < 0:
+            return 0, []
+        follow = toks[best_at:best_at + k]
+        for j, t in enumerate(follow):
+            if t < 0:
+                follow = follow[:j]
+                break
+        return (best_len, follow) if follow else (0, [])
+
+
+class RecentOutputs:
+    """The server's recent outputs (each finished request's generated tokens, separated), indexed for drafts;
+    bounded: past ``capacity`` tokens the older half is dropped."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self.index = SuffixIndex()
+
+    def add(self, token_ids: list[int]) -> None:
+        """Remember one finished output (a few tokens or more)."""
+        if len(token_ids) < MIN_MATCH + 1:
+            return
+        toks = self.index.tokens
+        toks.extend(token_ids[-self.capacity:])
+        toks.append(-1)
+        if len(toks) > self.capacity:
+            keep = toks[len(toks) - self.capacity // 2:]
+            self.index = SuffixIndex(keep)
+        else:
+            self.index.sync()
+
+    def match(self, context: list[int], k: int) -> tuple[int, list[int]]:
+        """:meth:`SuffixIndex.match` over the recent outputs."""
+        return self.index.match(context, k)
+
+
+@dataclass
+class DraftState:
+    """A request's drafting state: its own history's index, the current draft length and the acceptance record."""
+
+    index: SuffixIndex | None = None
+    length: int = 0  # current draft length (0: not started: the request's speculative)
+    misses: int = 0  # draft steps in a row that accepted nothing
+    paused: int = 0  # steps left without drafting
+
+    def update(self, drafted: int, accepted: int, k: int) -> None:
+        """Adapt after a verify step of ``drafted`` drafts of which ``accepted`` were kept (``k``: the maximum)."""
+        if accepted == drafted:
+            self.length = min(k, self.length + 2)
+        else:
+            self.length = max(1, self.length - 1)
+        self.misses = self.misses + 1 if accepted == 0 else 0
+        if self.misses >= PAUSE_AFTER:
+            self.paused, self.misses = PAUSE_STEPS, 0
 
 
 def eligible(gen) -> bool:
-    """Whether a request with these options may speculate: greedy, no penalties, bias, constraint or logprobs."""
-    return (gen.speculative > 0 and gen.temperature <= 0 and gen.repetition_penalty == 1.0
-            and not gen.presence_penalty and not gen.frequency_penalty and not gen.logit_bias
-            and not gen.constrained and not gen.logprobs)
+    """Whether a request may speculate: it asks for it (every sampling option is verified exactly)."""
+    return gen.speculative > 0
 
 
-def propose(token_ids: list[int], k: int) -> list[int]:
-    """Up to ``k`` draft tokens: what followed the most recent earlier occurrence of the last n tokens (longest n
-    first), ``[]`` when none matches."""
+def propose_ngram(token_ids: list[int], k: int) -> list[int]:
+    """Prompt lookup: up to ``k`` tokens that followed the most recent earlier occurrence of the last n tokens
+    (n = :data:`NGRAM_MAX` down to :data:`MIN_MATCH`), ``[]`` when none matches."""
     size = len(token_ids)
-    for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+    for n in range(NGRAM_MAX, MIN_MATCH - 1, -1):
         if size <= n:
             continue
         tail = token_ids[size - n:]
@@ -43,30 +178,49 @@ def propose(token_ids: list[int], k: int) -> list[int]:
     return []
 
 
-def accepted(greedy: list[int], drafts: list[int]) -> int:
-    """How many leading drafts the model's greedy choices agree with (``greedy[j]`` is its choice after the real
-    token and ``drafts[:j]``)."""
+def propose_suffix(state: DraftState, token_ids: list[int], k: int, recent: RecentOutputs | None) -> list[int]:
+    """The tokens after the longest earlier match of the tail of ``token_ids`` in the request's own history or in
+    ``recent`` (the server's outputs), ``[]`` when neither matches: up to ``k`` after a match of at least
+    :data:`LONG_MATCH` tokens, else up to the request's current draft length."""
+    if state.index is None:
+        state.index = SuffixIndex(token_ids)
+    else:
+        state.index.sync(token_ids)
+    n_own, own = state.index.match(token_ids, k, own=True)
+    if recent is not None:
+        n_srv, srv = recent.match(token_ids, k)
+        if n_srv > n_own:
+            n_own, own = n_srv, srv
+    return own if n_own >= LONG_MATCH else own[:state.length or k]
+
+
+def draft(req, session_len: int, drafter: str = "suffix", recent: RecentOutputs | None = None) -> list[int]:
+    """The drafts to propose for the request ``req`` this step: up to its current draft length (fewer near its token
+    limit or the context) when it speculates and is decoding, else ``[]``. ``drafter``: ``"suffix"`` (the default:
+    :func:`propose_suffix`) or ``"ngram"`` (:func:`propose_ngram`, with the fixed length ``gen.speculative``)."""
+    seq, gen = req.seq, req.gen
+    if not (gen.speculative and req.output_ids and seq.status is Status.RUNNING
+            and seq.num_computed == seq.num_tokens - 1):
+        return []
+    st = req.draft_state
+    if st.paused:
+        st.paused -= 1
+        return []
+    if st.length == 0:
+        st.length = gen.speculative
+    k = min(gen.speculative, gen.max_new_tokens - len(req.output_ids) - 1, session_len - seq.num_tokens - 1)
+    if k <= 0:
+        return []
+    d = propose_ngram(seq.token_ids, k) if drafter == "ngram" else propose_suffix(st, seq.token_ids, k, recent)
+    if d and req.guide is not None:  # a draft the grammar forbids ends there: the rest could never be kept
+        d = d[:req.guide.valid_prefix(d)]
+    return d
+
+
+def accepted(sampled: list[int], drafts: list[int]) -> int:
+    """How many leading drafts equal the tokens sampled at their positions (``sampled[j]``: the token sampled after
+    the real token and ``drafts[:j]``)."""
     a = 0
-    while a < len(drafts) and greedy[a] == drafts[a]:
+    while a < len(drafts) and sampled[a] == drafts[a]:
         a += 1
     return a
-
-
-def draft(req, session_len: int) -> list[int]:
-    """The drafts to propose for the request ``req`` this step: up to ``gen.speculative`` tokens (fewer near its
-    token limit or the context) when it may speculate and is decoding, else ``[]``."""
-    seq, gen = req.seq, req.gen
-    if not (gen.speculative and eligible(gen) and req.output_ids and seq.status is Status.RUNNING
-            and seq.num_computed == seq.num_tokens - 1 and len(req.output_ids) >= gen.min_new_tokens):
-        return []
-    k = min(gen.speculative, gen.max_new_tokens - len(req.output_ids) - 1, session_len - seq.num_tokens - 1)
-    return propose(seq.token_ids, k) if k > 0 else []
-
-
-def verify(logits, row: int, drafts: list[int]) -> tuple[list[int], int]:
-    """The tokens a row with ``drafts`` gets from its logits (``logits[row:row + len(drafts) + 1]``, float
-    ``[rows, vocab]``): the drafts the model's greedy choices agree with, then its own next token; and how many
-    drafts were accepted."""
-    greedy = logits[row:row + len(drafts) + 1].argmax(-1).tolist()
-    a = accepted(greedy, drafts)
-    return drafts[:a] + [greedy[a]], a
