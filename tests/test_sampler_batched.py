@@ -215,7 +215,8 @@ def test_one_host_sync_per_call(monkeypatch):
             RowSampling(temperature=0.7, generator=gen(1), logprobs=3),
             RowSampling(), RowSampling(temperature=1.0, top_k=3, generator=gen(2))]
     sample_batch(logits, rows)
-    assert dict(calls) == {"tolist": 1}
+    # on the CPU the top-p row's candidate check reads one bool (no device to wait for; an accelerator sorts instead)
+    assert dict(calls) == {"tolist": 1, "__bool__": 1}
     calls.clear()
     sample_batch(logits, [RowSampling(temperature=1.0, generator=gen(0))] * 5)
     assert dict(calls) == {"tolist": 1}
@@ -419,3 +420,30 @@ def test_token_mask_rows_mixed_with_free_rows():
     ref = torch.log_softmax(logits[1, [2, 7, 11]], -1)
     assert sorted(v for _, v in out[1].logprobs) == pytest.approx(sorted(ref.tolist()), abs=1e-6)
     assert out[2].token_id in (2, 7, 11)
+
+
+def test_top_p_from_candidates_keeps_the_same_nucleus_as_a_full_sort():
+    """The nucleus is decided on each row's 64 largest logits when they hold the mass, by a full sort otherwise: both
+    give the full stable sort's set, ties in bf16 logits (ordered by token id) and masked tokens included."""
+    from turbo.core.sampler import NUCLEUS_CANDIDATES, _nucleus, _nucleus_sorted
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 4096
+    rows = [torch.randn(vocab, generator=g) * scale for scale in (0.3, 1.0, 3.0, 8.0)]  # flat to peaked
+    rows.append((torch.randn(vocab, generator=g) * 4).to(torch.bfloat16).float())  # many exact ties
+    tied = torch.full((vocab,), -5.0)
+    tied[:200] = 2.0  # 200 equal top logits: the boundary falls inside a tie
+    rows.append(tied)
+    few = torch.full((vocab,), NEG)
+    few[[5, 900, 3000]] = torch.tensor([1.0, 0.5, 0.2])  # fewer finite tokens than candidates
+    rows.append(few)
+    s = torch.stack(rows)
+    for p in (0.05, 0.5, 0.9, 0.99, float("inf")):
+        top_p = torch.full((len(rows),), p)
+        got, want = _nucleus(s, top_p), _nucleus_sorted(s, top_p)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), p
+        assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+    # the flat rows need the fallback at p = 0.9 (their 64 largest hold less), the peaked ones do not
+    probs = torch.softmax(s, -1)
+    top = probs.topk(NUCLEUS_CANDIDATES, -1).values.sum(-1)
+    assert top[0] < 0.9 < top[3]
