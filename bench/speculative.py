@@ -1,11 +1,11 @@
 """Speculative decoding from history: decode tokens/s with and without it, in one run, on six workloads; tokens
 compared one for one.
 
-    python bench/speculative.py [--checkpoint DIR] [--speculative 3] [--max-new-tokens 160] [--repeats 2] [--json]
+    python bench/speculative.py [--checkpoint DIR] [--speculative 8] [--max-new-tokens 160] [--repeats 2] [--json]
     python bench/speculative.py --break-even [--checkpoint DIR] [--json]
 
 Without ``--checkpoint`` the embedded SmolLM2-135M-Instruct is quantized (RTN W4A16 g64) into a temporary folder.
-2 threads, the engine's default dtype (bf16 here), ``speculative=K`` (default 3) against ``speculative=0``, best
+2 threads, the engine's default dtype (bf16 here), ``speculative=K`` (default 8) against ``speculative=0``, best
 of ``--repeats``; tokens/s = generated tokens after each request's first / the time after the first. Workloads:
 
 - ``input_grounded`` (greedy): rewriting, correcting or continuing a given text, a code edit;
@@ -16,9 +16,11 @@ of ``--repeats``; tokens/s = generated tokens after each request's first / the t
   later turns restate them; its acceptance is also measured with the prompt-lookup drafter
   (``EngineConfig.speculative_drafter="ngram"``) on the same trace: ``acceptance_suffix_vs_ngram`` = mean accepted
   drafts per verify step, suffix / prompt lookup;
-- ``batch8``: 8 requests at once (the input-grounded and free-chat prompts, greedy): total tokens/s with / without.
+- ``batch8``: 8 requests at once (the input-grounded and free-chat prompts, greedy): total tokens/s with / without;
+  ``batch32``: the same 8 prompts 4 times (32 at once), where the step's draft budget matters.
 
 The last JSON line has ``speedup_<workload>`` for the first five, ``batch8_throughput_ratio``,
+``batch32_throughput_ratio``,
 ``acceptance_suffix_vs_ngram``, ``identical_batch_invariant`` (every greedy workload's tokens equal with and without
 speculation on a second engine with ``batch_invariant=True``, where the verify step's logits rows equal single
 steps'; checked in the same run), ``greedy_agree`` (the share of greedy tokens equal with and without speculation
@@ -163,7 +165,7 @@ def _session(engine, k: int, max_new: int, repeats: int):
 
 
 def _batch8(engine, prompts, k: int, max_new: int, repeats: int):
-    """Total generated tokens / wall seconds of the 8 prompts decoded together (best of ``repeats``)."""
+    """Total generated tokens / wall seconds of the prompts decoded together (best of ``repeats``)."""
     import time
     best = None
     for _ in range(repeats):
@@ -223,6 +225,7 @@ def workloads(engine):
                                             lambda i: dict(json_schema=EXTRACT[i][1])), True),
         "multiturn_agent": (lambda k, a: _session(engine, k, a.max_new_tokens, a.repeats), True),
         "batch8": (lambda k, a: _batch8(engine, grounded + free, k, a.max_new_tokens, a.repeats), True),
+        "batch32": (lambda k, a: _batch8(engine, (grounded + free) * 4, k, a.max_new_tokens, a.repeats), True),
     }
 
 
@@ -230,11 +233,11 @@ def main() -> None:
     """Command-line entry point (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint")
-    ap.add_argument("--speculative", type=int, default=3, help="draft tokens per step at most")
+    ap.add_argument("--speculative", type=int, default=8, help="draft tokens per step at most")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workloads", default="input_grounded,free_chat,sampled_grounded,json_schema,multiturn_agent,"
-                                           "batch8")
+                                           "batch8,batch32")
     ap.add_argument("--no-invariant-check", action="store_true", help="skip the batch-invariant engine")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--break-even", action="store_true", help="time one forward of M new tokens instead")
@@ -268,9 +271,10 @@ def main() -> None:
               f"{name:17s} {base[0]:7.1f} -> {spec[0]:7.1f} tok/s ({spec[0] / base[0]:.2f}x), identical {same}, "
               f"acceptance {out[name]['acceptance']:.2f}, {out[name]['tokens_per_step']} tokens per verify step",
               flush=True)
-    summary = {f"speedup_{n}": out[n]["speedup"] for n in names if n != "batch8"}
-    if "batch8" in out:
-        summary["batch8_throughput_ratio"] = out["batch8"]["speedup"]
+    summary = {f"speedup_{n}": out[n]["speedup"] for n in names if not n.startswith("batch")}
+    for n in ("batch8", "batch32"):
+        if n in out:
+            summary[f"{n}_throughput_ratio"] = out[n]["speedup"]
     if "multiturn_agent" in out:
         engine.config.speculative_drafter = "ngram"
         ngram = _session(engine, k, args.max_new_tokens, 1)[2]

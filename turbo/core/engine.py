@@ -219,10 +219,12 @@ class EngineCore:
     def _propose_drafts(self) -> None:
         """Drafts of speculating requests from their history and the server's recent outputs, as data on their
         sequences (the scheduler fits them)."""
-        for req in self.requests.values():
-            if req.gen.speculative:
-                req.seq.draft_ids = speculative.draft(req, self.session_len, self.config.speculative_drafter,
-                                                      self.recent_outputs)
+        reqs = [r for r in self.requests.values() if r.gen.speculative]
+        drafts = {i: speculative.draft(r, self.session_len, self.config.speculative_drafter, self.recent_outputs)
+                  for i, r in enumerate(reqs)}
+        speculative.share_budget(reqs, drafts, len(self.scheduler.running))
+        for i, r in enumerate(reqs):
+            r.seq.draft_ids = drafts[i]
 
     def _execute(self, sched: SchedulerOutput) -> StepOutput:
         """Compute ``sched`` (one forward; constraints' masks on a CPU thread beside it) and sample its rows."""

@@ -11,7 +11,9 @@ toward suffix decoding (Oliaro et al. 2024, SuffixDecoding: a suffix structure o
 longest match). The draft length adapts per request (:class:`DraftState`), unless the match is at least :data:`LONG_MATCH`
 tokens long (then up to ``k``): it grows by two after a step that
 accepted every draft and shrinks by one after any other (Hugging Face's assisted generation heuristic), between 1
-and ``k``; a request whose drafts keep failing pauses drafting for a few steps.
+and ``k``; a request whose drafts keep failing pauses drafting for a few steps. A step's drafts together stay within :data:`STEP_ROWS` rows
+beside its running requests (:func:`share_budget`; the requests keeping the most drafts first): in a large batch
+a step is compute-bound and a draft row costs about what a real row does.
 
 **Verification** (one forward of the last real token and the ``k`` drafts: ``k + 1`` logits rows): row ``j`` is
 sampled as the ``j``-th next token would be without speculation, with the request's penalties (its output so far
@@ -40,6 +42,7 @@ MAX_MATCH = 64  # the longest suffix compared (a longer match is as good)
 LONG_MATCH = 12  # a match this long drafts the full length, whatever the acceptance so far
 MAX_CANDIDATES = 64  # earlier occurrences of the last MIN_MATCH tokens examined, the most recent first
 NGRAM_MAX = 3  # prompt lookup: the last 3, then 2 tokens
+STEP_ROWS = 80  # a step verifies drafts while its rows (one per running request, plus drafts) stay within this
 PAUSE_AFTER = 4  # draft steps in a row that accepted nothing before drafting pauses
 PAUSE_STEPS = 8  # steps drafting pauses for
 
@@ -144,9 +147,11 @@ class DraftState:
     length: int = 0  # current draft length (0: not started: the request's speculative)
     misses: int = 0  # draft steps in a row that accepted nothing
     paused: int = 0  # steps left without drafting
+    rate: float = 0.5  # acceptance (kept / drafted), moving average over its verify steps
 
     def update(self, drafted: int, accepted: int, k: int) -> None:
         """Adapt after a verify step of ``drafted`` drafts of which ``accepted`` were kept (``k``: the maximum)."""
+        self.rate = 0.8 * self.rate + 0.2 * (accepted / max(drafted, 1))
         if accepted == drafted:
             self.length = min(k, self.length + 2)
         else:
@@ -215,6 +220,19 @@ def draft(req, session_len: int, drafter: str = "suffix", recent: RecentOutputs 
     if d and req.guide is not None:  # a draft the grammar forbids ends there: the rest could never be kept
         d = d[:req.guide.valid_prefix(d)]
     return d
+
+
+def share_budget(requests, drafts: dict[int, list[int]], num_running: int, rows: int = STEP_ROWS) -> None:
+    """Cut the step's drafts (``drafts``: request index -> its draft, cut in place) so that the rows the step
+    computes for decoding, one per running request plus the drafts, stay within ``rows``: in a large batch a step
+    is compute-bound and a draft row costs about what a real one does, so only drafts likely to be kept pay. The
+    requests with the best acceptance so far keep theirs first."""
+    budget = max(0, rows - num_running)
+    for i in sorted(drafts, key=lambda i: -requests[i].draft_state.rate):
+        d = drafts[i]
+        if len(d) > budget:
+            del d[budget:]
+        budget -= len(d)
 
 
 def accepted(sampled: list[int], drafts: list[int]) -> int:
