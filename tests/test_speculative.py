@@ -172,14 +172,15 @@ def test_the_server_default_and_the_request_field(engine):
         stop()
 
 
-def test_a_step_shares_its_draft_budget_best_acceptance_first():
+def test_a_step_shares_its_draft_budget_most_likely_kept_first():
     from types import SimpleNamespace
 
     from turbo.core.speculative import share_budget
     reqs = [SimpleNamespace(draft_state=DraftState(rate=r)) for r in (0.2, 0.9, 0.5)]
     drafts = {0: [1] * 8, 1: [2] * 8, 2: [3] * 8}
     share_budget(reqs, drafts, num_running=3, rows=16)  # 13 draft rows beside the 3 real ones
-    assert [len(drafts[i]) for i in range(3)] == [0, 8, 5]
+    # by value 0.9^j and 0.5^j: 0.9^1..0.9^6 (0.53) rank above 0.5^1; then 0.5, 0.9^7 (0.48), 0.9^8, 0.5^2 (0.25) ...
+    assert [len(drafts[i]) for i in range(3)] == [1, 8, 4]
     drafts = {0: [1] * 8}
     share_budget(reqs[:1], drafts, num_running=90, rows=80)  # a batch past the budget drafts nothing
     assert drafts[0] == []

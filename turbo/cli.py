@@ -290,8 +290,9 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
               show_default=True, help="A session turn past --session-len: refuse it (400 with both numbers) or drop "
                                       "the oldest whole turns, keeping the system prompt.")
 @click.option("--speculative", default=0, show_default=True, type=click.IntRange(0, 16),
-              help="Default draft tokens per step for greedy requests (prompt lookup from the request's own history; "
-                   "a request's 'speculative' overrides it; 0: off). 2 is the fastest on a 2-core CPU.")
+              help="Default draft tokens per step (drafted from the request's history and the server's recent "
+                   "outputs, verified exactly at any temperature; a request's 'speculative' overrides it; 0: off). "
+                   "See docs/engine.md, Speculative decoding.")
 @click.option("--tool-call-parser", type=click.Choice(list(TOOL_PARSERS)), default=None,
               help="The format the model writes tool calls in (default: the one its chat template writes, else "
                    "hermes, which the fallback tool prompt asks for).")

@@ -260,7 +260,7 @@ SAMPLING_FIELDS = (
     SamplingField("ignore_eos", "ignore_eos", "bool", False),
     SamplingField("min_tokens", "min_new_tokens", "int", 0, lo=0, hi="max_new_tokens"),
     SamplingField(None, "logprobs", "int", 0, lo=0, hi=20),  # the HTTP API's logprobs are a response option
-    SamplingField("speculative", "speculative", "int", 0, lo=0, hi=16),  # prompt-lookup draft tokens per step
+    SamplingField("speculative", "speculative", "int", 0, lo=0, hi=16),  # draft tokens per step (from history)
 )
 SAMPLING = {f.keyword: f for f in SAMPLING_FIELDS}
 

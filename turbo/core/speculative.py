@@ -12,8 +12,8 @@ longest match). The draft length adapts per request (:class:`DraftState`), unles
 tokens long (then up to ``k``): it grows by two after a step that
 accepted every draft and shrinks by one after any other (Hugging Face's assisted generation heuristic), between 1
 and ``k``; a request whose drafts keep failing pauses drafting for a few steps. A step's drafts together stay within :data:`STEP_ROWS` rows
-beside its running requests (:func:`share_budget`; the requests keeping the most drafts first): in a large batch
-a step is compute-bound and a draft row costs about what a real row does.
+beside its running requests (:func:`share_budget`; the draft positions most likely to be kept first): in a large
+batch a step is compute-bound and a draft row costs about what a real row does.
 
 **Verification** (one forward of the last real token and the ``k`` drafts: ``k + 1`` logits rows): row ``j`` is
 sampled as the ``j``-th next token would be without speculation, with the request's penalties (its output so far
@@ -42,7 +42,7 @@ MAX_MATCH = 64  # the longest suffix compared (a longer match is as good)
 LONG_MATCH = 12  # a match this long drafts the full length, whatever the acceptance so far
 MAX_CANDIDATES = 64  # earlier occurrences of the last MIN_MATCH tokens examined, the most recent first
 NGRAM_MAX = 3  # prompt lookup: the last 3, then 2 tokens
-STEP_ROWS = 80  # a step verifies drafts while its rows (one per running request, plus drafts) stay within this
+STEP_ROWS = 64  # a step verifies drafts while its rows (one per running request, plus drafts) stay within this
 PAUSE_AFTER = 4  # draft steps in a row that accepted nothing before drafting pauses
 PAUSE_STEPS = 8  # steps drafting pauses for
 
@@ -226,13 +226,18 @@ def share_budget(requests, drafts: dict[int, list[int]], num_running: int, rows:
     """Cut the step's drafts (``drafts``: request index -> its draft, cut in place) so that the rows the step
     computes for decoding, one per running request plus the drafts, stay within ``rows``: in a large batch a step
     is compute-bound and a draft row costs about what a real one does, so only drafts likely to be kept pay. The
-    requests with the best acceptance so far keep theirs first."""
+    draft positions most likely to be kept are taken first: the j-th draft of a request whose acceptance so far is
+    ``a`` is kept with probability about ``a ** j``."""
     budget = max(0, rows - num_running)
-    for i in sorted(drafts, key=lambda i: -requests[i].draft_state.rate):
-        d = drafts[i]
-        if len(d) > budget:
-            del d[budget:]
-        budget -= len(d)
+    if sum(len(d) for d in drafts.values()) <= budget:
+        return
+    ranked = sorted(((requests[i].draft_state.rate ** (j + 1), i, j) for i, d in drafts.items() for j in range(len(d))),
+                    reverse=True)
+    keep = {i: 0 for i in drafts}
+    for _, i, j in ranked[:budget]:
+        keep[i] = max(keep[i], j + 1)
+    for i, d in drafts.items():
+        del d[keep[i]:]
 
 
 def accepted(sampled: list[int], drafts: list[int]) -> int:

@@ -532,7 +532,7 @@ def create_app(engine: Engine | MPClient, loop: EngineLoop | None = None, model_
     the registry has a session dir; an MPClient's engine process saves when this is true). tool_call_parser: the
     format tool calls are read in (:data:`turbo.serve.tools.PARSERS`; default: the one the chat template writes,
     else ``hermes``, see :func:`turbo.serve.tools.choose_parser`). speculative: the default of the requests'
-    ``speculative`` (prompt-lookup draft tokens per step; greedy requests only; 0: off). response_dir: where the
+    ``speculative`` (draft tokens per step from history, any sampling options; 0: off). response_dir: where the
     Responses API keeps stored responses (``<dir>/.responses/``; default: the in-process registry's session dir;
     ``None`` there: in memory only). reasoning_parser: a thinking model's format (:mod:`turbo.reasoning_parsers`:
     ``deepseek_r1``, ``qwen3``; ``"auto"``: the one its chat template writes, if any; ``None`` or ``"none"``: its
