@@ -11,6 +11,11 @@ float32 transformers model and scores WikiText-2 and Chinese perplexity on the f
 - ``wmse2``: the same, each input channel's error weighted by a data-free importance proxy (the squared RMSNorm
   weight before q/k/v and gate/up; for o_proj the norm of the v row it reads, for down_proj the product of the
   gate and up row norms);
+- ``hqq0.7`` / ``hqq0.5`` / ``hqq1``: an HQQ-style half-quadratic fit (Badri & Shaji 2023) in the stored format:
+  integer zero points, the fp16 scale refit by least squares against the weights less an l_p-shrunk error (p < 1:
+  outliers may keep a large error), 20 iterations;
+- ``plain32``: min/max with groups of 32 (the blocks of the Q4_1 file the embedded model was dequantized from; a
+  different format size, for scale: see docs/quantization.md);
 - ``eq-ALPHA[-PAIRS]``: data-free equalization (AWQ's fold with the proxy instead of activations): input channel j
   scaled by ``proxy_j^ALPHA`` before rounding and the inverse folded into the previous norm or linear; PAIRS picks
   ``qkv``, ``gate`` (norms into q/k/v, gate/up), ``v`` (v rows into o_proj), ``up`` (up rows into down_proj).
