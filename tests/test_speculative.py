@@ -184,3 +184,16 @@ def test_a_step_shares_its_draft_budget_most_likely_kept_first():
     drafts = {0: [1] * 8}
     share_budget(reqs[:1], drafts, num_running=90, rows=80)  # a batch past the budget drafts nothing
     assert drafts[0] == []
+
+
+def test_a_grammar_drafts_its_forced_tokens_and_cuts_refused_drafts(engine):
+    from turbo.core.guided import Guide
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    g = Guide(GenerationConfig(json_schema=schema), engine.tokenizer, engine.vocab_size)
+    forced = g.forced_tokens()
+    assert engine.tokenizer.decode(forced) == '{"name'  # the schema's first key is certain
+    free = engine.tokenizer.encode("hello world")
+    assert g.valid_prefix(free) == 0 and g.valid_prefix(forced + free) == len(forced)
+    for t in forced:  # nothing was consumed by the checks
+        g.consume(t)

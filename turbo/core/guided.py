@@ -177,6 +177,13 @@ class Guide:
             raise InvalidRequest(f"the {self.field} constraint refused token {token_id}: "
                                  f"{_reason(self.matcher.get_error()) or 'not allowed here'}")
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens; ``[]`` when the next token is free
+        or the grammar is complete)."""
+        if self.matcher.is_stopped():
+            return []
+        return self.matcher.compute_ff_tokens()
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the grammar accepts from its current state (it does not advance)."""
         if self.matcher.is_stopped():

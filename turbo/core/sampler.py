@@ -15,8 +15,8 @@ device, so a request's tokens do not depend on what it is batched with and the s
 The host only builds the penalty and mask indices (copied to the device); everything else runs on the device,
 and :func:`sample_batch` makes one device→host transfer: a ``tolist()`` of the sampled ids, packed with the top
 log-probabilities when a row asks for them (on the CPU, top-p also reads one bool: whether every row's nucleus lies
-among its 64 largest logits, which spares a sort of the vocabulary, :func:`_nucleus`). :func:`apply_penalties`, :func:`sample` and :func:`top_logprobs` are
-the one-row forms over the same code.
+among its 64 largest logits, which spares a sort of the vocabulary, :func:`_nucleus`). :func:`apply_penalties`,
+:func:`sample` and :func:`top_logprobs` are the one-row forms over the same code.
 """
 from __future__ import annotations
 

@@ -8,12 +8,16 @@ engine), and the tokens that followed that occurrence are the draft (the most re
 matches; the request's own history wins a tie). This generalizes prompt lookup (Saxena 2023; vLLM's ``ngram``
 speculator: the last 3, then 2 tokens, the most recent match; kept as :func:`propose_ngram`, drafter ``"ngram"``)
 toward suffix decoding (Oliaro et al. 2024, SuffixDecoding: a suffix structure over prompts and past outputs, the
-longest match). The draft length adapts per request (:class:`DraftState`), unless the match is at least :data:`LONG_MATCH`
-tokens long (then up to ``k``): it grows by two after a step that
-accepted every draft and shrinks by one after any other (Hugging Face's assisted generation heuristic), between 1
-and ``k``; a request whose drafts keep failing pauses drafting for a few steps. A step's drafts together stay within :data:`STEP_ROWS` rows
-beside its running requests (:func:`share_budget`; the draft positions most likely to be kept first): in a large
-batch a step is compute-bound and a draft row costs about what a real row does.
+longest match). Under a constraint, the tokens the grammar forces next (a JSON schema's keys and punctuation:
+llguidance's fast-forward tokens) are the draft when there are any, and other drafts are cut where the grammar
+refuses them.
+
+The draft length adapts per request (:class:`DraftState`) unless the match is at least :data:`LONG_MATCH` tokens
+long (then up to ``k``): it grows by two after a step that kept every draft and shrinks by one after any other
+(Hugging Face's assisted-generation heuristic), between 1 and ``k``; a request whose drafts keep failing pauses
+drafting for a few steps. A step's drafts together stay within :data:`STEP_ROWS` rows beside its running requests
+(:func:`share_budget`; the draft positions most likely to be kept first): in a large batch a step is compute-bound
+and a draft row costs about what a real row does.
 
 **Verification** (one forward of the last real token and the ``k`` drafts: ``k + 1`` logits rows): row ``j`` is
 sampled as the ``j``-th next token would be without speculation, with the request's penalties (its output so far
@@ -216,6 +220,10 @@ def draft(req, session_len: int, drafter: str = "suffix", recent: RecentOutputs 
     k = min(gen.speculative, gen.max_new_tokens - len(req.output_ids) - 1, session_len - seq.num_tokens - 1)
     if k <= 0:
         return []
+    if req.guide is not None:
+        forced = req.guide.forced_tokens()
+        if forced:  # tokens the grammar forces next (a schema's keys and punctuation): kept whatever the logits
+            return forced[:k]
     d = propose_ngram(seq.token_ids, k) if drafter == "ngram" else propose_suffix(st, seq.token_ids, k, recent)
     if d and req.guide is not None:  # a draft the grammar forbids ends there: the rest could never be kept
         d = d[:req.guide.valid_prefix(d)]
