@@ -80,6 +80,7 @@ def _first3(engine, prompt, seeds, spec: int) -> Counter:
 
 @pytest.mark.e2e
 def test_sampled_distribution_with_speculation_equals_without_and_a_broken_rule_fails(tiny, monkeypatch):
+    monkeypatch.setattr(speculative, "STEP_ROWS", 10**6)  # every request drafts in these 500-request batches
     prompt = _prompt(tiny)
     plain = _first3(tiny, prompt, range(SAMPLES), 0)
     c0 = tiny.counters.as_dict()

@@ -230,13 +230,13 @@ def draft(req, session_len: int, drafter: str = "suffix", recent: RecentOutputs 
     return d
 
 
-def share_budget(requests, drafts: dict[int, list[int]], num_running: int, rows: int = STEP_ROWS) -> None:
+def share_budget(requests, drafts: dict[int, list[int]], num_running: int, rows: int | None = None) -> None:
     """Cut the step's drafts (``drafts``: request index -> its draft, cut in place) so that the rows the step
-    computes for decoding, one per running request plus the drafts, stay within ``rows``: in a large batch a step
-    is compute-bound and a draft row costs about what a real one does, so only drafts likely to be kept pay. The
-    draft positions most likely to be kept are taken first: the j-th draft of a request whose acceptance so far is
+    computes for decoding, one per running request plus the drafts, stay within ``rows`` (default :data:`STEP_ROWS`):
+    in a large batch a step is compute-bound and a draft row costs about what a real one does, so only drafts likely
+    to be kept pay. The draft positions most likely to be kept are taken first: the j-th draft of a request whose acceptance so far is
     ``a`` is kept with probability about ``a ** j``."""
-    budget = max(0, rows - num_running)
+    budget = max(0, (STEP_ROWS if rows is None else rows) - num_running)
     if sum(len(d) for d in drafts.values()) <= budget:
         return
     ranked = sorted(((requests[i].draft_state.rate ** (j + 1), i, j) for i, d in drafts.items() for j in range(len(d))),
