@@ -346,14 +346,18 @@ def test_serve_options_reach_the_engine_config(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(turbo.serve.app, "serve", lambda model, **kw: seen.update(kw))
-    r = CliRunner().invoke(main, ["serve", "m", "--batch-invariant", "--tp", "3", "--threads", "-1"])
+    r = CliRunner().invoke(main, ["serve", "m", "--batch-invariant", "--tp", "3", "--threads", "-1",
+                                  "--speculative-drafter", "ngram", "--speculative-recent-tokens", "0"])
     assert r.exit_code == 0, r.output
     assert seen["batch_invariant"] is True and seen["tensor_parallel_size"] == 3 and seen["threads"] == -1
+    assert seen["speculative_drafter"] == "ngram" and seen["speculative_recent_tokens"] == 0
     assert seen["engine_process"] is True
     from turbo import EngineConfig
 
     engine_fields = {k: v for k, v in seen.items() if k in EngineConfig.__dataclass_fields__}
     assert EngineConfig(**engine_fields).batch_invariant is True
+    bad = CliRunner().invoke(main, ["serve", "m", "--speculative-drafter", "tree"])
+    assert bad.exit_code != 0 and "--speculative-drafter" in bad.output
 
 
 def test_logit_bias_keeps_a_token_out_of_the_reply(served, reference):

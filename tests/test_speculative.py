@@ -168,6 +168,18 @@ def test_the_server_default_and_the_request_field(engine):
         assert 'liteturbo_speculative{figure="tokens_per_step"}' in metrics
         bad = httpx.post(f"{url}/v1/chat/completions", json=dict(body, speculative=99), timeout=30)
         assert bad.status_code == 400 and "speculative" in bad.text
+        # the Responses and Anthropic Messages APIs take the field too
+        c2 = engine.counters.spec_steps
+        r = httpx.post(f"{url}/v1/responses", json={"input": body["messages"][0]["content"], "max_output_tokens": 20,
+                                                     "temperature": 0, "speculative": 4, "store": False}, timeout=60)
+        assert r.status_code == 200, r.text
+        m = httpx.post(f"{url}/v1/messages", json={"messages": body["messages"], "max_tokens": 20, "temperature": 0,
+                                                    "speculative": 4}, timeout=60)
+        assert m.status_code == 200, m.text
+        assert engine.counters.spec_steps > c2
+        bad = httpx.post(f"{url}/v1/messages", json={"messages": body["messages"], "max_tokens": 20,
+                                                      "speculative": -1}, timeout=30)
+        assert bad.status_code == 400 and "speculative" in bad.text
     finally:
         stop()
 

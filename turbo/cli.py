@@ -293,6 +293,12 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
               help="Default draft tokens per step (drafted from the request's history and the server's recent "
                    "outputs, verified exactly at any temperature; a request's 'speculative' overrides it; 0: off). "
                    "See docs/engine.md, Speculative decoding.")
+@click.option("--speculative-drafter", type=click.Choice(["suffix", "ngram"]), default="suffix", show_default=True,
+              help="Where drafts come from: the longest earlier match in the request's history or the server's "
+                   "recent outputs (suffix), or prompt lookup in the request's own history (ngram).")
+@click.option("--speculative-recent-tokens", default=65536, show_default=True, type=click.IntRange(min=0),
+              help="Tokens of recent outputs kept for drafts (0: none; drafts from other requests' outputs make a "
+                   "request faster when another produced the same text, a timing signal between users).")
 @click.option("--tool-call-parser", type=click.Choice(list(TOOL_PARSERS)), default=None,
               help="The format the model writes tool calls in (default: the one its chat template writes, else "
                    "hermes, which the fallback tool prompt asks for).")
@@ -307,7 +313,7 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
 @_kv_options
 @friendly_errors
 def serve(model, host, port, model_name, api_keys, batch_invariant, engine_process, session_host_gib, session_overflow,
-          speculative, tool_call_parser, reasoning_parser, stall_timeout,
+          speculative, speculative_drafter, speculative_recent_tokens, tool_call_parser, reasoning_parser, stall_timeout,
           dtype, max_batch_size, max_num_batched_tokens,
           block_size, session_len, max_kv_tokens, kv_cache_gib, cache_max_entry_count, max_request_bytes, log_level,
           session_dir, max_sessions, session_idle_timeout, device_opts, kv_opts) -> None:
@@ -327,6 +333,7 @@ def serve(model, host, port, model_name, api_keys, batch_invariant, engine_proce
         speculative=speculative, stall_timeout=stall_timeout, reasoning_parser=reasoning_parser,
         dtype=dtype, **device_opts,
         batch_invariant=batch_invariant, session_host_gib=session_host_gib, session_overflow=session_overflow,
+        speculative_drafter=speculative_drafter, speculative_recent_tokens=speculative_recent_tokens,
         max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
         session_len=session_len, max_kv_tokens=max_kv_tokens, kv_cache_gib=kv_cache_gib,
         cache_max_entry_count=cache_max_entry_count, **kv_opts)

@@ -245,7 +245,7 @@ def translate(data: dict, count_only: bool = False) -> dict:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"],
                                                                           "strict": True}}
     _options(data, body)
-    for name in ("model", "max_tokens", "stream", "temperature", "top_p", "top_k"):
+    for name in ("model", "max_tokens", "stream", "temperature", "top_p", "top_k", "speculative"):
         if name in data:
             body[name] = data.pop(name)
     if data:  # what is left is no Messages field this server reads

@@ -213,7 +213,7 @@ def _chat_body(data: dict, messages: list[dict]) -> tuple[dict, dict, list | Non
         body["tool_choice"] = choice
     if "max_output_tokens" in data:
         body["max_tokens"] = data.pop("max_output_tokens")
-    for name in ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "user"):
+    for name in ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "user", "speculative"):
         if name in data:
             body[name] = data.pop(name)
     if data:
