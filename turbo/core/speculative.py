@@ -30,8 +30,8 @@ therefore the token non-speculative decoding samples at that position from the s
 output distribution is exactly the model's, at any temperature (for a point-mass draft ``d`` this is the standard
 rejection rule, Leviathan et al. 2023 / Chen et al. 2023: ``d`` is accepted with probability ``p(d)`` and a rejection
 draws from ``p`` without ``d``, renormalized). When the logits rows also equal the single-step ones
-(``batch_invariant=True``, or float32), the same seed gives the same tokens with or without speculation; in 16-bit
-a ``k + 1``-row forward can round differently from ``k + 1`` single steps and flip a near tie.
+(``batch_invariant=True``; float32 up to its rounding), the same seed gives the same tokens with or without
+speculation; in 16-bit a ``k + 1``-row forward can round differently from ``k + 1`` single steps and flip a near tie.
 
 Pure functions and small state of a request's data: nothing here touches the engine.
 """
