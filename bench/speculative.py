@@ -164,7 +164,7 @@ def _session(engine, k: int, max_new: int, repeats: int):
     return best
 
 
-def _batch8(engine, prompts, k: int, max_new: int, repeats: int):
+def _together(engine, prompts, k: int, max_new: int, repeats: int):
     """Total generated tokens / wall seconds of the prompts decoded together (best of ``repeats``)."""
     import time
     best = None
@@ -224,8 +224,8 @@ def workloads(engine):
         "json_schema": (lambda k, a: _timed(engine, [chat(m) for m, _ in EXTRACT], k, a.max_new_tokens, a.repeats,
                                             lambda i: dict(json_schema=EXTRACT[i][1])), True),
         "multiturn_agent": (lambda k, a: _session(engine, k, a.max_new_tokens, a.repeats), True),
-        "batch8": (lambda k, a: _batch8(engine, grounded + free, k, a.max_new_tokens, a.repeats), True),
-        "batch32": (lambda k, a: _batch8(engine, (grounded + free) * 4, k, a.max_new_tokens, a.repeats), True),
+        "batch8": (lambda k, a: _together(engine, grounded + free, k, a.max_new_tokens, a.repeats), True),
+        "batch32": (lambda k, a: _together(engine, (grounded + free) * 4, k, a.max_new_tokens, a.repeats), True),
     }
 
 

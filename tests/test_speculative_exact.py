@@ -20,6 +20,8 @@ from turbo import Engine, EngineConfig, GenerationConfig
 from turbo.core import speculative
 from turbo.core.speculative import accepted as speculative_accepted
 
+from test_speculative import TEXT, _ids  # noqa: E402 - the passage and chat-prompt helper shared with it
+
 SAMPLES = int(__import__("os").environ.get("SPEC_SAMPLES", 20_000))
 VOCAB = 16
 
@@ -108,14 +110,6 @@ def test_sampled_distribution_with_speculation_equals_without_and_a_broken_rule_
 @pytest.fixture(scope="module")
 def f32(smollm2_path):
     return Engine(smollm2_path, EngineConfig(dtype="float32", max_kv_tokens=4096, block_size=16))
-
-
-TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished the great "
-        "lens, and wrote the weather in his log: wind from the west, clouds low, a fishing boat returning late.")
-
-
-def _ids(engine, msg):
-    return engine.chat_template_ids([{"role": "user", "content": msg}])
 
 
 def _same_with_and_without(engine, prompt, **opts):

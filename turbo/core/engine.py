@@ -304,12 +304,16 @@ class EngineCore:
                 c.last_prefill_tokens = req.prompt_len - req.cached_tokens
             elif not d:
                 c.decode_tokens += 1
-            prompt = req.seq.token_ids[:req.prompt_len] if req.gen.repetition_penalty != 1.0 else ()
+            gen = req.gen
+            prompt = req.seq.token_ids[:req.prompt_len] if gen.repetition_penalty != 1.0 else ()
+            # the output a position sees only matters to penalties: copied with the drafts before it only then
+            penalised = gen.repetition_penalty != 1.0 or gen.presence_penalty or gen.frequency_penalty
             plan.append((i, req, d, len(opts)))
             for j in range(len(d) + 1):
-                hist = req.output_ids + d[:j] if j else req.output_ids
-                banned = req.stop_ids if len(hist) < req.gen.min_new_tokens and req.guide is None else ()
-                opts.append(RowSampling.of(req.gen, generator=req.rng, output_ids=hist, prompt_ids=prompt,
+                hist = req.output_ids + d[:j] if j and penalised else req.output_ids
+                n_out = len(req.output_ids) + j
+                banned = req.stop_ids if n_out < gen.min_new_tokens and req.guide is None else ()
+                opts.append(RowSampling.of(gen, generator=req.rng, output_ids=hist, prompt_ids=prompt,
                                            banned_ids=banned, token_mask=masks.get((i, j)), keep_state=bool(d)))
                 rows.append(first_row[i] + j)
         if not plan:
