@@ -9,8 +9,8 @@ import pytest
 
 from lite.formats import LiteturboError
 from turbo import Engine, EngineConfig, GenerationConfig
-from turbo.core.speculative import (DraftState, RecentOutputs, SuffixIndex, accepted, eligible, propose_ngram,
-                                    propose_suffix)
+from turbo.core.speculative import (DraftState, Layout, RecentOutputs, SuffixIndex, accepted, draft, eligible,
+                                    propose_ngram, propose_suffix, whitespace_ids)
 
 
 def test_prompt_lookup_and_acceptance_by_hand():
@@ -82,6 +82,78 @@ def test_draft_length_adapts_to_acceptance():
     st = DraftState(length=2)
     assert propose_suffix(st, h, 6, None) == [1, 2, 3, 4, 5, 6]  # 20 tokens matched
     assert propose_suffix(DraftState(length=2), [7, 8, 1, 2, 3, 9, 7, 8], 6, None) == [1, 2]
+
+
+W, W2 = 90, 91  # whitespace-only tokens (a line break with indentation, a space)
+
+
+def test_whitespace_only_tokens_are_matched_as_if_absent_and_the_exact_layout_wins_a_tie():
+    skip = frozenset({W, W2})
+    compact = [1, 2, 3, 4, 5, 6, 7]  # e.g. {"a": 1, "b": 2} as one line
+    out = [0, 1, W, 2, 3, W, 4]  # the same written out over lines
+    h = compact + [-1] + out
+    assert SuffixIndex(h).match(h, 3, own=True) == (0, [])  # without skip: "3 W 4" is no earlier window
+    assert SuffixIndex(h, skip).match(h, 3, own=True) == (4, [5, 6, 7])  # "1 2 3 4" matched, W not counted
+    # the context ends inside a run of skip tokens: the draft starts after the source's own ones
+    src = [1, 2, W, W2, 3, 4]
+    assert SuffixIndex(src, skip).match([8, 1, 2, W], 2) == (2, [3, 4])
+    assert SuffixIndex(src, skip).match([8, 1, 2], 2) == (2, [W, W2])  # none written yet: the source's layout
+    # equal lengths without skip tokens: the one agreeing with the context's layout wins over the more recent
+    h2 = [5, 1, W, 2, 3, 50, 6, 1, 2, 3, 60, 0, 1, W, 2, 3]
+    assert SuffixIndex(h2, skip).match(h2, 1, own=True) == (3, [50])
+    assert SuffixIndex(h2).match(h2, 1, own=True) == (4, [50])  # without skip, the exact one is the longest
+
+
+def test_a_draft_takes_the_layout_of_the_request_output():
+    skip = frozenset({W, W2})
+    lay = Layout(skip)
+    lay.learn([70, 71, 1, 2, W, 3, 4], start=2)  # the output so far (from position 2): a line break between 2 and 3
+    assert lay.between[(2, 3)] == (W,) and lay.between[(1, 2)] == () and (71, 1) not in lay.between
+    assert lay.apply([9, 1], [2, 3, 5]) == [2, W, 3, 5]  # the source had none: the output's inserted
+    assert lay.apply([9, 1, 2], [W2, 3, 5]) == [W, 3, 5]  # the source had another: the output's
+    assert lay.apply([9, 1, 2, W], [3, 5]) == [3, 5]  # already written by the context
+    assert lay.apply([9, 1, 2, W2], [3, 5]) == [3, 5]  # the context wrote another: left to the model
+    assert lay.apply([9, 1], [W2, 2, 6, W2, 7]) == [2, 6, W2, 7]  # the output wrote "1 2" with none between
+    srv = Layout(skip)
+    srv.add([6, W2, W2, 7])  # the server's outputs: used where the request's own output says nothing
+    assert lay.apply([9, 4], [6, 7], srv) == [6, W2, W2, 7]
+    lay.learn([70, 71, 1, 2, W, 3, 4, 6, 7], start=2)  # the request's own wins once it has written the pair
+    assert lay.apply([9, 4], [6, 7], srv) == [6, 7]
+
+
+def test_compact_json_restated_indented_drafts_the_indented_tokens(smollm2_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    skip = whitespace_ids(tok)
+    assert {tok.convert_tokens_to_ids(t) for t in ("Ċ", "ĠĠ")} <= skip
+    assert tok.encode("city")[0] not in skip and len(skip) < 1000
+    compact = '{"tool": "get_weather", "city": "Lisbon", "date": "2026-12-06", "temperature_c": 17, "wind_kmh": 22}'
+    indented = '{\n  "tool": "get_weather",\n  "city": "Lisbon",\n  "date": "2026-12-06",\n  "temperature_c": 17,'
+    prompt, out = tok.encode(compact), tok.encode(indented)
+    cut = len(tok.encode('{\n  "tool": "get_weather",\n  "city": "Lis'))
+    assert out[:cut] == tok.encode('{\n  "tool": "get_weather",\n  "city": "Lis')
+    seq = prompt + out[:cut]
+    # prompt lookup: the last tokens ("L is") are followed by "bon", "\",", " \"" in the compact source; the model
+    # writes a line break there; the suffix drafter with the output's layout drafts the indented continuation
+    want = out[cut:cut + 8]
+    st = DraftState(length=8)
+    assert propose_suffix(st, seq, 8, None, skip, output_start=len(prompt)) == want
+    assert propose_ngram(seq, 8) != want
+    # without skip tokens it matches the same compact source but keeps its layout
+    assert propose_suffix(DraftState(length=8), seq, 8, None) != want
+
+
+def test_drafts_end_at_a_stop_token():
+    class Seq:  # a decoding sequence: every token computed but the last
+        from turbo.core.scheduler import Status
+        status, token_ids = Status.RUNNING, [1, 2, 3, 7, 9, 5, 1, 2, 3]
+        num_tokens, num_computed = 9, 8
+
+    class Req:
+        seq, gen, output_ids = Seq(), GenerationConfig(speculative=4, max_new_tokens=50), [3]
+        draft_state, guide, stop_ids, prompt_len = DraftState(), None, {9}, 8
+    assert draft(Req(), 4096, "ngram") == [7, 9]  # 7 9 5 1 without the tokens after the stop 9
+    assert draft(Req(), 4096, "suffix") == [7, 9]
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,17 @@
 seen: the longest suffix of its tokens (at least :data:`MIN_MATCH`, at most :data:`MAX_MATCH` tokens) that occurred
 earlier in its own history (:class:`SuffixIndex` over the sequence's tokens: its prompt, i.e. every earlier turn and
 tool result of a session, and its output) or in the server's recent outputs (:class:`RecentOutputs`, bounded, per
-engine), and the tokens that followed that occurrence are the draft (the most recent one among equally long
-matches; the request's own history wins a tie). This generalizes prompt lookup (Saxena 2023; vLLM's ``ngram``
-speculator: the last 3, then 2 tokens, the most recent match; kept as :func:`propose_ngram`, drafter ``"ngram"``)
-toward suffix decoding (Oliaro et al. 2024, SuffixDecoding: a suffix structure over prompts and past outputs, the
-longest match). Under a constraint, the tokens the grammar forces next (a JSON schema's keys and punctuation:
-llguidance's fast-forward tokens) are the draft when there are any, and other drafts are cut where the grammar
-refuses them.
+engine), and the tokens that followed that occurrence are the draft (among equally long matches the one whose
+whitespace also agrees, then the most recent; the request's own history wins a tie). This generalizes prompt
+lookup (Saxena 2023; vLLM's ``ngram`` speculator: the last 3, then 2 tokens, the most recent match; kept as
+:func:`propose_ngram`, drafter ``"ngram"``) toward suffix decoding (Oliaro et al. 2024, SuffixDecoding: a suffix structure over prompts and past outputs, the
+longest match). Matches skip whitespace-only tokens (:func:`whitespace_ids`: line breaks, indentation), so a text
+restated with another layout (a tool's compact JSON written out indented, a re-indented code block) still matches
+its source, and a draft from such a source takes the layout the request's output has been writing
+(:class:`Layout`: the whitespace it put between the same two tokens). Under a constraint, the tokens the grammar
+forces next (a JSON schema's keys and punctuation: llguidance's fast-forward tokens) are the draft when there are
+any, and other drafts are cut where the grammar refuses them. A draft ends at a stop token (nothing after it is
+kept).
 
 The draft length adapts per request (:class:`DraftState`) unless the match is at least :data:`LONG_MATCH` tokens
 long (then up to ``k``): it grows by two after a step that kept every draft and shrinks by one after any other
@@ -347,7 +351,10 @@ def draft(req, session_len: int, drafter: str = "suffix", recent: RecentOutputs 
         forced = req.guide.forced_tokens()
         if forced:  # tokens the grammar forces next (a schema's keys and punctuation): kept whatever the logits
             return forced[:k]
-    d = propose_ngram(seq.token_ids, k) if drafter == "ngram" else propose_suffix(st, seq.token_ids, k, recent, skip, req.prompt_len)
+    if drafter == "ngram":
+        d = propose_ngram(seq.token_ids, k)
+    else:
+        d = propose_suffix(st, seq.token_ids, k, recent, skip, req.prompt_len)
     if d and req.guide is not None:  # a draft the grammar forbids ends there: the rest could never be kept
         d = d[:req.guide.valid_prefix(d)]
     for j, t in enumerate(d):  # nor is a token after a stop token
@@ -360,8 +367,8 @@ def share_budget(requests, drafts: dict[int, list[int]], num_running: int, rows:
     """Cut the step's drafts (``drafts``: request index -> its draft, cut in place) so that the rows the step
     computes for decoding, one per running request plus the drafts, stay within ``rows`` (default :data:`STEP_ROWS`):
     in a large batch a step is compute-bound and a draft row costs about what a real one does, so only drafts likely
-    to be kept pay. The draft positions most likely to be kept are taken first: the j-th draft of a request whose acceptance so far is
-    ``a`` is kept with probability about ``a ** j``."""
+    to be kept pay. The draft positions most likely to be kept are taken first: the j-th draft of a request whose
+    acceptance so far is ``a`` is kept with probability about ``a ** j``."""
     budget = max(0, (STEP_ROWS if rows is None else rows) - num_running)
     if sum(len(d) for d in drafts.values()) <= budget:
         return
