@@ -222,7 +222,8 @@ class EngineCore:
         sequences (the scheduler fits them)."""
         reqs = [r for r in self.requests.values() if r.gen.speculative]
         if reqs and self._skip_ids is None and self.config.speculative_drafter == "suffix":
-            self._skip_ids = speculative.whitespace_ids(self.tokenizer)  # once, ~0.3 s for a 49k vocabulary
+            # once, ~0.3 s for a 49k vocabulary
+            self._skip_ids = speculative.whitespace_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
             if self.recent_outputs is not None:
                 self.recent_outputs.set_skip(self._skip_ids)
         drafts = {i: speculative.draft(r, self.session_len, self.config.speculative_drafter, self.recent_outputs,

@@ -5,16 +5,16 @@ seen: the longest suffix of its tokens (at least :data:`MIN_MATCH`, at most :dat
 earlier in its own history (:class:`SuffixIndex` over the sequence's tokens: its prompt, i.e. every earlier turn and
 tool result of a session, and its output) or in the server's recent outputs (:class:`RecentOutputs`, bounded, per
 engine), and the tokens that followed that occurrence are the draft (among equally long matches the one whose
-whitespace also agrees, then the most recent; the request's own history wins a tie). This generalizes prompt
-lookup (Saxena 2023; vLLM's ``ngram`` speculator: the last 3, then 2 tokens, the most recent match; kept as
-:func:`propose_ngram`, drafter ``"ngram"``) toward suffix decoding (Oliaro et al. 2024, SuffixDecoding: a suffix structure over prompts and past outputs, the
-longest match). Matches skip whitespace-only tokens (:func:`whitespace_ids`: line breaks, indentation), so a text
-restated with another layout (a tool's compact JSON written out indented, a re-indented code block) still matches
-its source, and a draft from such a source takes the layout the request's output has been writing
-(:class:`Layout`: the whitespace it put between the same two tokens). Under a constraint, the tokens the grammar
-forces next (a JSON schema's keys and punctuation: llguidance's fast-forward tokens) are the draft when there are
-any, and other drafts are cut where the grammar refuses them. A draft ends at a stop token (nothing after it is
-kept).
+whitespace also agrees, then the most recent; the request's own history wins a tie). This generalizes prompt lookup
+(Saxena 2023; vLLM's ``ngram`` speculator: the last 3, then 2 tokens, the most recent match; kept as
+:func:`propose_ngram`, drafter ``"ngram"``) toward suffix decoding (Oliaro et al. 2024, SuffixDecoding: a suffix
+structure over prompts and past outputs, the longest match). Matches skip whitespace-only tokens
+(:func:`whitespace_ids`: line breaks, indentation), so a text restated with another layout (a tool's compact JSON
+written out indented, a re-indented code block) still matches its source, and a draft from such a source takes the
+layout the request's output has been writing (:class:`Layout`: the whitespace it put between the same two tokens).
+Under a constraint, the tokens the grammar forces next (a JSON schema's keys and punctuation: llguidance's
+fast-forward tokens) are the draft when there are any, and other drafts are cut where the grammar refuses them. A
+draft ends at a stop token (nothing after it is kept).
 
 The draft length adapts per request (:class:`DraftState`) unless the match is at least :data:`LONG_MATCH` tokens
 long (then up to ``k``): it grows by two after a step that kept every draft and shrinks by one after any other
