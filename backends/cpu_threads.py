@@ -285,13 +285,15 @@ class ThreadController:
         self._want = n
         self._win, self.busy = None, None
 
-    def begin_step(self, seqs: int = 1, tokens: int = 1) -> None:
-        """Call before a step of ``seqs`` sequences computing ``tokens`` tokens, on the thread that runs it."""
+    def begin_step(self, seqs: int = 1, tokens: int = 1, drafts: int = 0) -> None:
+        """Call before a step of ``seqs`` sequences computing ``tokens`` tokens, on the thread that runs it;
+        ``drafts``: the speculative drafts among them (a step that verifies drafts decodes: one token per sequence
+        plus its drafts, a few rows each)."""
         tid = threading.get_ident()
         if tid != self._owner:  # OpenMP's count belongs to the calling thread: give it to a new stepping thread
             self._owner = tid
             self._set_fn(self._applied)
-        decode = self.adaptive and tokens == seqs
+        decode = self.adaptive and tokens == seqs + drafts
         self._apply(self._want if decode else self.max_threads)
         if not decode:
             self._win = None  # the window holds back-to-back decode steps only
@@ -319,8 +321,7 @@ class ThreadController:
         self._since += 1
         if self._cand is not None and self._since >= self.interval:
             self.probes += 1
-            self._probe = {"key": self._key, "cand": self._cand, "phase": 0, "times": ([], []), "skip": 0,
-                           "foreign": 0}
+            self._probe = {"cand": self._cand, "phase": 0, "times": ({}, []), "skip": 0, "foreign": 0}
 
     def _account(self, wall: float, cpu: float) -> None:
         """Add a decode step to the evidence window; close it when long enough and name the candidate count."""
@@ -344,28 +345,32 @@ class ThreadController:
             self._cand, self.interval = cand, self.base_interval  # a new situation: probe soon
 
     def _probe_step(self, key: Hashable, wall: float) -> None:
-        """One decode step of a probe: time it at the current count, then at the candidate, then decide."""
+        """One decode step of a probe: ``probe_steps`` steps timed at the current count (their shapes noted), then
+        ``probe_steps`` steps of those shapes at the candidate, each compared with the mean of its own shape at
+        the current count (speculative steps change shape with their drafts); then decide."""
         p = self._probe
-        if p["key"] != key:
-            p["foreign"] += 1
+        cur, new = p["times"]
+        unseen = p["phase"] == 1 and key not in cur
+        p["foreign"] += unseen
         if p["foreign"] > 2 * self.probe_steps:  # the load changed shape: give up, try later
             self._end_probe(False)
             return
-        if p["key"] != key:
+        if unseen:
             return
         if p["skip"]:
             p["skip"] -= 1
             return
-        times = p["times"][p["phase"]]
-        times.append(wall)
-        if len(times) < self.probe_steps:
-            return
         if p["phase"] == 0:
-            p["phase"], p["skip"] = 1, self.settle
-            self._want = p["cand"]
+            cur.setdefault(key, []).append(wall)
+            if sum(map(len, cur.values())) >= self.probe_steps:
+                p["phase"], p["skip"] = 1, self.settle
+                self._want = p["cand"]
             return
-        cur, new = (sum(t) / len(t) for t in p["times"])
-        self._end_probe(new < cur * (1.0 - self.margin))
+        new.append((key, wall))
+        if len(new) < self.probe_steps:
+            return
+        expected = sum(sum(cur[k]) / len(cur[k]) for k, _ in new)  # the same steps at the current count
+        self._end_probe(sum(w for _, w in new) < expected * (1.0 - self.margin))
 
     def _end_probe(self, switch: bool) -> None:
         cand = self._probe["cand"]

@@ -215,11 +215,33 @@ def test_probe_compares_steps_of_one_shape_only():
     m = Machine()
     ctl = m.controller()
     m.others = 1
-    m.run(ctl, 100, shape=lambda i: (1 + i % 3, 1 + i % 3))  # the batch changes every step: the probe gives up
+    m.run(ctl, 100, shape=lambda i: (1 + i, 1 + i))  # a new batch every step: nothing to compare, the probe gives up
     assert ctl.threads == 2 and ctl.switches == 0 and ctl.probes == 1 and ctl.interval == 2 * ctl.base_interval
     assert m.n == 2  # an abandoned probe restores the count
     m.run(ctl, 200)
     assert ctl.threads == 1
+
+
+def test_probe_compares_each_shape_with_itself():
+    m = Machine()
+    ctl = m.controller()
+    m.others = 1
+    # a step at 2 threads takes 3x longer for its shape; shapes cycle (a batch of 1 to 3): each step of the
+    # candidate's phase is compared with its own shape's mean at the current count
+    base = m.step_time
+    m.step_time = lambda: (lambda t, s, f: (t * (1 + ctl._key[1] / 4), s, f))(*base())
+    counts = m.run(ctl, 200, shape=lambda i: (1 + i % 3, 1 + i % 3))
+    assert ctl.threads == 1 and ctl.switches == 1 and counts[-1] == 1
+
+
+def test_speculative_decode_steps_adapt_like_decode_steps():
+    m = Machine()
+    ctl = m.controller()
+    m.others = 1
+    # one sequence verifying 8, then 3, then 8 drafts...: decode steps of a few shapes, at the decode count
+    counts = m.run(ctl, 300, shape=lambda i: (1, 9 if i % 4 else 4, 8 if i % 4 else 3))
+    assert ctl.threads == 1 and counts[-1] == 1 and ctl.switches == 1
+    assert m.run(ctl, 1, shape=(1, 9, 0)) == [2]  # 9 tokens for 1 sequence without drafts: a prefill, full count
 
 
 def test_prefill_steps_run_at_the_full_count_and_are_not_timed():
@@ -303,10 +325,10 @@ class Alternating:
     def __init__(self, ctl: ct.ThreadController, prefill_too: bool = False) -> None:
         self.ctl, self.prefill_too, self.steps, self.counts = ctl, prefill_too, 0, []
 
-    def begin_step(self, seqs, tokens):
+    def begin_step(self, seqs, tokens, drafts=0):
         self.steps += 1
         self.ctl._want = 2 - self.steps % 2  # 1 thread at the first step
-        self.ctl.begin_step(seqs, 1 if self.prefill_too else tokens)
+        self.ctl.begin_step(seqs, seqs if self.prefill_too else tokens, 0 if self.prefill_too else drafts)
         self.counts.append(torch.get_num_threads())
 
     def end_step(self):
@@ -329,7 +351,7 @@ def _alternating_run(engine, prompt, gen, prefill_too: bool = False):
 def test_w4a16_greedy_tokens_do_not_depend_on_the_thread_count(smollm2_rtn_g64):
     from turbo import Engine, GenerationConfig
 
-    engine = Engine(smollm2_rtn_g64, device="cpu", max_kv_tokens=512)
+    engine = Engine(smollm2_rtn_g64, device="cpu", max_kv_tokens=512, speculative_recent_tokens=0)  # both runs draft alike
     if engine.thread_control.max_threads < 2:
         pytest.skip("needs 2 usable cores")
     gen = GenerationConfig(max_new_tokens=24, ignore_eos=True, logprobs=2)
@@ -338,6 +360,14 @@ def test_w4a16_greedy_tokens_do_not_depend_on_the_thread_count(smollm2_rtn_g64):
     assert counts[:4] == [1, 2, 1, 2]
     assert out.token_ids == ref.token_ids
     assert out.logprobs == ref.logprobs  # bit-identical: the kernels never split a reduction across threads
+    # speculative verify steps (a few rows per sequence) run at the adapted count too: the same tokens and logprobs
+    text = "The keeper climbed the stairs at dusk, trimmed the wick and wrote the weather in his log."
+    prompt = engine.chat_template_ids([{"role": "user", "content": "Repeat exactly: " + text}])
+    spec = GenerationConfig(max_new_tokens=24, ignore_eos=True, logprobs=2, speculative=4)
+    before = engine.counters.spec_steps
+    ref, out, counts = _alternating_run(engine, prompt, spec)
+    assert engine.counters.spec_steps - before >= 4 and 1 in counts[1:]
+    assert out.token_ids == ref.token_ids and out.logprobs == ref.logprobs
 
 
 def test_bf16_greedy_tokens_do_not_depend_on_the_decode_thread_count(smollm2_path):

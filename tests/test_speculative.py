@@ -44,6 +44,15 @@ def test_suffix_index_takes_the_longest_earlier_match_by_hand():
     h4 = [4, 5, 7, 4, 5]
     idx.sync(h4)
     assert idx.match(h4, 3, own=True) == (2, [7, 4, 5])
+    # a match running into the tail is a loop: drafted on over its period (prompt lookup stops at the end)
+    loop = [9, 1, 2, 3, 1, 2, 3, 1, 2]
+    assert SuffixIndex(loop).match(loop, 5, own=True) == (5, [3, 1, 2, 3, 1])
+    assert propose_ngram(loop, 5) == [3, 1, 2]
+    assert SuffixIndex([5, 7, 7, 7]).match([5, 7, 7, 7], 4, own=True) == (2, [7, 7, 7, 7])
+    assert RecentOutputs().match([1, 2], 4) == (0, [])
+    r = RecentOutputs()
+    r.add([1, 2, 3, 1, 2])
+    assert r.match([0, 1, 2], 4) == (2, [3, 1, 2])  # another text's end is no loop of this one
 
 
 def test_recent_outputs_draft_across_requests_but_not_across_outputs_and_stay_bounded():

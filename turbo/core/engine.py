@@ -236,7 +236,7 @@ class EngineCore:
     def _execute(self, sched: SchedulerOutput) -> StepOutput:
         """Compute ``sched`` (one forward; constraints' masks on a CPU thread beside it) and sample its rows."""
         self._note_cache_hits(sched)
-        self.thread_control.begin_step(len(sched.seqs), sched.total_tokens)
+        self.thread_control.begin_step(len(sched.seqs), sched.total_tokens, sum(map(len, sched.drafts)))
         masks = self._start_masks(sched)
         logits = self.runner.run(step_input(sched, self.block_manager))
         allowed = {} if masks is None else masks.result()

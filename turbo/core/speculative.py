@@ -97,8 +97,9 @@ class SuffixIndex:
         """``(match length, up to k tokens that followed it)`` for the longest suffix of ``context`` found in the
         indexed tokens, lengths counted without ``skip`` tokens (ties: the match agreeing with more of the context's
         last tokens as they are, then the most recent); ``(0, [])`` when none of at least :data:`MIN_MATCH` is.
-        ``own``: ``context`` is the indexed list itself (its own tail is not a match). When ``context`` ends with
-        ``skip`` tokens the draft starts after the source's own ones."""
+        ``own``: ``context`` is the indexed list itself (its own tail is not a match; a continuation that runs into
+        the tail repeats: the text is looping with that period). When ``context`` ends with ``skip`` tokens the
+        draft starts after the source's own ones."""
         toks, kept, skip = self.tokens, self.kept, self.skip
         tail: list[int] = []  # the context's last tokens not in skip, latest first
         i = len(context) - 1
@@ -148,6 +149,10 @@ class SuffixIndex:
             if t < 0:
                 follow = follow[:j]
                 break
+        else:
+            if own and len(follow) < k and follow:  # the match reaches the tail: a loop, drafted on over its period
+                period = follow
+                follow = (period * (k // len(period) + 1))[:k]
         return (best[0], follow) if follow else (0, [])
 
 
