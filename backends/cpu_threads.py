@@ -18,7 +18,8 @@ idle time of this process's cores (``/proc/stat``: room to grow back). On such e
 backed-off interval, it probes: a few decode steps at the current count, a few at one thread fewer (or more), same
 batch shape only, and keeps the faster. An idle machine shows no evidence, so it never probes there. Counts change
 with ``torch.set_num_threads`` on the stepping thread (OpenMP's count belongs to the calling thread). Only decode
-steps run at an adapted count: liteturbo's C++ kernels split rows, columns and heads, never a reduction, and
+steps run at an adapted count (speculative ones too: one token per sequence plus its drafts, a few rows each, each
+timed against steps of its own shape): liteturbo's C++ kernels split rows, columns and heads, never a reduction, and
 torch's bf16 linear gave bit-equal results at 1 and 2 threads up to 128 rows here, so greedy tokens and logprobs
 do not change (tests/test_cpu_threads.py, W4A16 and bf16); steps that prefill keep the full count, as torch's bf16
 GEMM at 400 rows rounds differently with another count.
@@ -221,8 +222,8 @@ class ThreadController:
     """Adapts torch's thread count to the cores free now, from the engine's decode steps (module docstring).
 
     The engine calls :meth:`begin_step` with the step's sequences and tokens before it and :meth:`end_step`
-    after it. Only decode steps (one token per sequence) run at an adapted count and are timed, each compared only
-    with steps of the same shape; any step that prefills runs at ``max_threads``, the count chosen at start
+    after it. Only decode steps (one token per sequence, plus its speculative drafts) run at an adapted count and
+    are timed, each compared only with steps of the same shape; any step that prefills runs at ``max_threads``, the count chosen at start
     (results must not depend on the count: see the module docstring). The controller stays in ``[1,
     max_threads]`` and acts only when ``adaptive``.
 
