@@ -96,6 +96,9 @@ def test_cli_rtn_writes_awq_checkpoint_and_chat_reads_piped_stdin(smollm2_path, 
                             input="What is the capital of France?\n/reset\nWhat is the capital of Japan?\n/exit\n")
     assert r3.exit_code == 0, r3.output
     assert "Paris" in r3.output and "Tokyo" in r3.output and "[session reset]" in r3.output
+    r4 = CliRunner().invoke(main, ["chat", str(out), "--max-new-tokens", "20", "--speculative", "8"],
+                            input="What is the capital of France?\n")
+    assert r4.exit_code == 0 and "Paris" in r4.output, r4.output
 
 
 def test_cli_bad_model_path_is_one_line(tmp_path):
@@ -129,6 +132,8 @@ def test_overwrite_never_destroys_the_source_or_other_folders(tmp_path, monkeypa
 
 
 def test_eval_ppl_and_chat_bad_values(tmp_path):
+    r = CliRunner().invoke(main, ["chat", str(tmp_path / "missing"), "--speculative", "17"])
+    assert r.exit_code == 2 and "--speculative" in r.output and "0<=x<=16" in r.output, r.output
     for args, msg in ((["--seqlen", "1"], "at least 2"), (["--max-windows", "0"], "at least 1"),
                       (["--max-windows", "-2"], "at least 1")):
         r = CliRunner().invoke(main, ["lite", "eval-ppl", str(tmp_path / "missing"), *args])

@@ -176,17 +176,20 @@ def eval_ppl(model, dataset, seqlen, max_windows, dtype, as_json, device_opts, k
 @click.option("--url", default=None,
               help="Chat with a running `liteturbo serve` at this address (e.g. http://127.0.0.1:23333).")
 @click.option("--api-key", default=None, envvar="LITETURBO_API_KEY", help="Bearer token for --url.")
+@click.option("--speculative", default=0, show_default=True, type=click.IntRange(0, 16),
+              help="Draft up to this many tokens per step from the conversation (speculative decoding, verified "
+                   "exactly; 0: off).")
 @_device_options
 @_kv_options
 @friendly_errors
 def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, session_len, max_kv_tokens,
-         kv_cache_gib, cache_max_entry_count, url, api_key, device_opts, kv_opts) -> None:
+         kv_cache_gib, cache_max_entry_count, url, api_key, speculative, device_opts, kv_opts) -> None:
     """Interactive chat with MODEL on one stateful session (/reset, /exit). Reads piped stdin too. With --url, chat
     with a running `liteturbo serve` through its sessions API instead (MODEL and the engine options are unused)."""
     from turbo import Engine, EngineConfig, GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed)
+                           seed=seed, speculative=speculative)
     if url:
         from turbo.remote import RemoteSession
 

@@ -89,6 +89,8 @@ class RemoteSession:
                 "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
         if gen.seed is not None:
             body["seed"] = gen.seed
+        if gen.speculative:
+            body["speculative"] = gen.speculative
         t0 = time.perf_counter()
         t_first, pieces, final = None, [], None
         try:
