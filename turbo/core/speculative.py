@@ -125,7 +125,7 @@ class SuffixIndex:
             if spaced:
                 while at < len(toks) and toks[at] in skip:
                     at += 1
-            if at >= len(toks) or toks[at] < 0 or (own and at >= len(context)):
+            if at >= len(toks) or toks[at] < 0:
                 continue  # no continuation: the tail itself, or the end of an output
             seen += 1
             if seen > MAX_CANDIDATES:

@@ -361,18 +361,24 @@ class Answer:
         self.msg_id, self.fc_ids = f"msg_{uuid.uuid4().hex}", {}
 
     def fc_id(self, call_id: str) -> str:
+        """The ``fc_...`` item id of the tool call ``call_id`` (made at its first use, the same after)."""
         return self.fc_ids.setdefault(call_id, f"fc_{uuid.uuid4().hex}")
 
     def base(self, status: str, output: list, usage: dict | None, incomplete: bool = False) -> dict:
+        """The Responses API ``response`` object: ``status`` (``in_progress``, ``completed``, ``incomplete``),
+        ``output`` items, ``usage`` (or ``None`` while streaming); ``incomplete``: cut at ``max_output_tokens``."""
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "model": self.model,
                 "output": output, "usage": usage, **self.r.echo}
 
     def text_item(self, text: str, status: str) -> dict:
+        """The reply's ``message`` output item holding ``text`` (one ``output_text`` part)."""
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
     def call_item(self, call: dict, status: str = "completed") -> dict:
+        """The ``function_call`` output item of ``call`` (a chat-completions tool call: id, function name and
+        arguments as a JSON string)."""
         return {"type": "function_call", "id": self.fc_id(call["id"]), "call_id": call["id"],
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
@@ -402,6 +408,7 @@ class _OutputEvents:
         self.calls: dict[int, dict] = {}  # the reply's calls by their index in the reply: {"call", "output_index"}
 
     def event(self, kind: str, **data) -> str:
+        """One server-sent event of type ``kind`` with ``data`` and the next ``sequence_number``."""
         self.seq += 1
         body = dict(type=kind, sequence_number=self.seq - 1, **data)
         return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -419,6 +426,7 @@ class _OutputEvents:
                 self.event("response.output_item.done", output_index=i, item=a.text_item(t, "completed"))]
 
     def text_delta(self, piece: str) -> list[str]:
+        """The events of one piece of reply text: the message item and its part opened first if none is."""
         a, ev = self.a, []
         if not self.open_text:
             self.open_text = True
