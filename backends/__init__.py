@@ -22,7 +22,7 @@ from .platform import Platform, current_platform
 from .registry import available_backends, backend_class, backend_classes, register_backend
 from .torch_backend import TorchBackend
 from .triton import TritonBackend
-from .types import AttentionMetadata, LinearSpec, QuantizedWeight
+from .types import AttentionMetadata, ExpertsHandle, LinearSpec, QuantizedWeight
 
 
 def get_backend(name: str = "auto", device: torch.device | str = "auto", **kwargs) -> Backend:
@@ -47,5 +47,5 @@ def get_backend(name: str = "auto", device: torch.device | str = "auto", **kwarg
     return cls(device=plat.device, **kwargs)
 
 
-__all__ = ["Backend", "TorchBackend", "TritonBackend", "AscendBackend", "Platform", "current_platform", "backend_classes", "KV_CACHE_DTYPES", "KVCacheSpec", "KVQuantParams", "PagedKVCache", "AttentionMetadata", "LinearSpec", "QuantizedWeight", "get_backend",
+__all__ = ["Backend", "TorchBackend", "TritonBackend", "AscendBackend", "Platform", "current_platform", "backend_classes", "KV_CACHE_DTYPES", "KVCacheSpec", "KVQuantParams", "PagedKVCache", "AttentionMetadata", "ExpertsHandle", "LinearSpec", "QuantizedWeight", "get_backend",
            "register_backend", "available_backends"]

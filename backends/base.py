@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .kv_cache import KVCacheSpec, KVQuantParams, PagedKVCache
-from .types import AttentionMetadata, LinearSpec, QuantizedWeight
+from .types import AttentionMetadata, ExpertsHandle, LinearSpec, QuantizedWeight
 
 
 class Backend(ABC):
@@ -131,6 +131,54 @@ class Backend(ABC):
         """``x [T, in] @ (q * scales[:, None]).T`` → ``[T, out]`` in ``x.dtype``."""
         q, scales = handle
         return torch.nn.functional.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
+
+    # --- Mixture-of-Experts ---------------------------------------------------------------------
+    def prepare_experts(self, gate_up: list, down: list, dtype: torch.dtype) -> Any:
+        """The experts of one sparse layer, prepared once: ``gate_up[e]`` expert ``e``'s gate and up projections fused
+        (``[2I, hidden]``, gate rows first) and ``down[e]`` its down projection (``[hidden, I]``), each a
+        :class:`QuantizedWeight` (every expert) or a dense tensor (every expert). This default: an
+        :class:`ExpertsHandle` of the backend's own linear handles. Raises ``ValueError`` for a mix of quantized and
+        dense experts or experts of different widths."""
+        if not gate_up or len(gate_up) != len(down):
+            raise ValueError(f"prepare_experts needs one gate_up and one down weight per expert, got {len(gate_up)} "
+                             f"and {len(down)}")
+        quant = [isinstance(w, QuantizedWeight) for w in (*gate_up, *down)]
+        if any(quant) and not all(quant):
+            raise ValueError("the experts of a layer must be all quantized or all dense")
+        widths = {(w.out_features if isinstance(w, QuantizedWeight) else w.shape[0]) for w in gate_up}
+        if len(widths) != 1 or next(iter(widths)) % 2:
+            raise ValueError(f"the experts' gate_up weights must share one even width, got {sorted(widths)}")
+        if all(quant):
+            return ExpertsHandle([self.prepare_w4a16(w, dtype) for w in gate_up],
+                                 [self.prepare_w4a16(w, dtype) for w in down], "w4a16", widths.pop() // 2)
+        return ExpertsHandle([self.prepare_linear(w, None, dtype) for w in gate_up],
+                             [self.prepare_linear(w, None, dtype) for w in down], None, widths.pop() // 2)
+
+    def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> torch.Tensor:
+        """The routed experts of a sparse MLP block: ``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) *
+        up_e(x[t]))`` with ``e = topk_ids[t, j]``. ``x [T, hidden]``, ``topk_ids`` int64 ``[T, k]``, ``topk_weights``
+        ``[T, k]`` in ``x.dtype`` → ``[T, hidden]`` in ``x.dtype``. This reference groups the rows by expert and runs
+        each selected expert once over its rows (as ggml's ``mul_mat_id`` and vLLM's fused MoE do), through
+        :meth:`linear` / :meth:`w4a16_linear` and :meth:`silu_and_mul`; each product is weighted in ``x.dtype`` and
+        summed into the output in expert order (as transformers' experts loop does)."""
+        t, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=handle.num_experts).tolist()
+        tokens = order // k
+        weights = topk_weights.reshape(-1)[order]
+        lin = self.w4a16_linear if handle.quantized == "w4a16" else self.linear
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            tok = tokens[start:start + n]
+            h = self.silu_and_mul(lin(x.index_select(0, tok), handle.gate_up[e]))
+            y = lin(h, handle.down[e]) * weights[start:start + n, None]
+            out.index_add_(0, tok, y)
+            start += n
+        return out
 
     # --- elementwise --------------------------------------------------------------------------
     @abstractmethod

@@ -216,3 +216,21 @@ class AttentionMetadata:
     def decode_only(self) -> bool:
         """Whether every sequence of the step computes exactly one token (a decode step)."""
         return self.query_start[-1] == self.num_seqs
+
+
+@dataclass
+class ExpertsHandle:
+    """The experts of one Mixture-of-Experts layer, each prepared by the backend as its linears are
+    (:meth:`~backends.base.Backend.prepare_experts`): ``gate_up[e]`` the handle of expert ``e``'s fused gate and up
+    projections (``[2I, hidden]``, gate rows first), ``down[e]`` of its down projection (``[hidden, I]``);
+    ``quantized``: ``"w4a16"`` or ``None`` (dense). ``intermediate_size``: ``I``."""
+
+    gate_up: list
+    down: list
+    quantized: str | None
+    intermediate_size: int
+
+    @property
+    def num_experts(self) -> int:
+        """Experts held."""
+        return len(self.gate_up)

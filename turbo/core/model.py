@@ -1,7 +1,10 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat token batch and a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 and the Mixture-of-Experts Qwen3-MoE, Qwen2-MoE, OLMoE,
+Mixtral) over a flat token batch and a paged KV cache.
 
 One short file in the spirit of gpt-fast: weights are plain tensors (or backend handles for W4A16), the
-forward is a loop over layers. Family differences come from :mod:`lite.formats.arch` tables.
+forward is a loop over layers. Family differences come from :mod:`lite.formats.arch` tables. A sparse layer's MLP is
+router → top-k → the backend's grouped experts operation (:meth:`backends.base.Backend.experts`) → (+ a gated
+shared expert); the router and the shared-expert gate stay 16-bit.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 from backends import Backend, PagedKVCache, QuantizedWeight
 from backends.types import AttentionMetadata
 from lite.formats import LiteturboError, arch_spec, load_config, load_quantized_linears, quantization_spec
+from lite.formats.arch import MoEConfig, moe_config
 
 
 @dataclass
@@ -40,6 +44,8 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: list[int]
+    qk_norm_per_head: bool = True  # False: one RMSNorm over all heads of q (and of k), as OLMoE
+    moe: MoEConfig | None = None  # Mixture-of-Experts layout (lite.formats.arch.moe_config); None for dense models
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
@@ -79,6 +85,7 @@ class ModelConfig:
                 qkv_bias=spec.flag(spec.qkv_bias, cfg), o_bias=spec.flag(spec.o_bias, cfg),
                 mlp_bias=spec.flag(spec.mlp_bias, cfg), qk_norm=spec.qk_norm,
                 bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+                qk_norm_per_head=spec.qk_norm_per_head, moe=moe_config(cfg),
             )
         except KeyError as e:
             raise LiteturboError(f"config.json lacks the field {e.args[0]!r}") from None
@@ -270,11 +277,12 @@ class LlamaModel:
 
         _check_layout(sd, cfg, qspec, path, check)  # from the headers, before any weight is read
 
-        def linear(prefixes: list[str], bias: bool, qlinears: dict) -> Linear:
-            """One (fused) linear from the named projections, shape-checked; W4A16 if they are quantized."""
-            for p in prefixes:
+        def linear(prefixes: list[str], bias: bool, qlinears: dict, shapes: list[tuple] | None = None) -> Linear:
+            """One (fused) linear from the named projections, shape-checked (against ``shapes``, else the dense
+            Llama shapes of their short names); W4A16 if they are quantized."""
+            for j, p in enumerate(prefixes):
                 short = p.rsplit(".", 1)[-1]
-                want = (expected_out[short], expected_in.get(short, h))
+                want = shapes[j] if shapes else (expected_out[short], expected_in.get(short, h))
                 if p in qlinears:
                     check(p, (qlinears[p].out_features, qlinears[p].in_features), want, fields)
                 elif f"{p}.weight" in sd:
@@ -296,20 +304,88 @@ class LlamaModel:
             b = torch.cat([b for _, b in wb], 0) if all(b is not None for _, b in wb) else None
             return Linear(backend, backend.prepare_linear(w, b, dtype), None, w.shape[0])
 
+        def expert_weight(prefixes: list[str], shapes: list[tuple], qlinears: dict):
+            """An expert's fused projections (gate and up, or down) as one :class:`QuantizedWeight` or one dense
+            tensor, shape-checked and cut to this rank's part (bias-free, as every MoE family's experts are)."""
+            for p, want in zip(prefixes, shapes):
+                got = ((qlinears[p].out_features, qlinears[p].in_features) if p in qlinears
+                       else sd.shape(f"{p}.weight") if f"{p}.weight" in sd else None)
+                if got is not None:
+                    check(p, got, want, "hidden_size, moe_intermediate_size / intermediate_size, "
+                                        "shared_expert_intermediate_size")
+            if all(p in qlinears for p in prefixes):
+                parts = [qlinears.pop(p) if shard is None else shard.quantized(p, qlinears.pop(p)) for p in prefixes]
+                return QuantizedWeight.concat_out(parts) if len(parts) > 1 else parts[0]
+            if any(p in qlinears for p in prefixes):
+                raise LiteturboError(f"layers {prefixes} are partly quantized; liteturbo fuses them and needs all or none")
+            ws = [take(f"{p}.weight") for p in prefixes]
+            if shard is not None:
+                ws = [shard.dense(p, w, None)[0] for p, w in zip(prefixes, ws)]
+            return torch.cat(ws, 0) if len(ws) > 1 else ws[0]
+
+        def sparse_mlp(p: str, qlinears: dict) -> dict:
+            """A sparse layer's MLP: the router (16-bit), the experts prepared together by the backend, and the
+            shared expert with its gate when the family has one."""
+            moe = cfg.moe
+            inter = moe.intermediate_size
+            router_name = f"{p}.{moe.router}.weight"
+            if f"{p}.{moe.router}" in qlinears:
+                raise LiteturboError(f"{p}.{moe.router} (the MoE router) is quantized in this checkpoint; liteturbo "
+                                     f"keeps routers 16-bit: re-quantize with the router left out")
+            if router_name in sd:
+                check(router_name, sd.shape(router_name), (moe.num_experts, h), "num_experts, hidden_size")
+            gate_up, down = [], []
+            for e in range(moe.num_experts):
+                g, u, d = (f"{p}.{n}" for n in moe.expert(e))
+                gate_up.append(expert_weight([g, u], [(inter, h), (inter, h)], qlinears))
+                down.append(expert_weight([d], [(h, inter)], qlinears))
+            out = dict(router=take(router_name).to(dev, dtype), experts=backend.prepare_experts(gate_up, down, dtype),
+                       shared_gate_up=None, shared_down=None, shared_gate=None, gate_up=None, down=None)
+            del gate_up, down
+            if moe.shared:
+                g, u, d = (f"{p}.{n}" for n in moe.shared)
+                width = moe.shared_intermediate_size
+                out.update(shared_gate_up=linear([g, u], False, qlinears, [(width, h), (width, h)]),
+                           shared_down=linear([d], False, qlinears, [(h, width)]))
+                gate_name = f"{p}.{moe.shared_gate}.weight"
+                if f"{p}.{moe.shared_gate}" in qlinears:
+                    raise LiteturboError(f"{p}.{moe.shared_gate} (the shared expert's gate) is quantized in this "
+                                         f"checkpoint; liteturbo keeps it 16-bit")
+                if gate_name in sd:
+                    check(gate_name, sd.shape(gate_name), (1, h), "hidden_size")
+                out["shared_gate"] = take(gate_name).to(dev, dtype)
+            return out
+
+        qk_widths = ((hd, hd) if cfg.qk_norm_per_head else (cfg.num_heads * hd, cfg.num_kv_heads * hd))
+
+        def qk_norm(name: str, width: int) -> torch.Tensor | None:
+            """A q/k RMSNorm weight, shape-checked (per head or over all heads, as the family has it)."""
+            if not cfg.qk_norm:
+                return None
+            w = take(name)
+            check(name, tuple(w.shape), (width,), "head_dim, num_attention_heads, num_key_value_heads")
+            if shard is not None and not cfg.qk_norm_per_head:
+                raise LiteturboError(f"tensor parallelism does not split {cfg.model_type}'s q/k norm over all heads; "
+                                     f"use tp 1")
+            return w.to(dev, dtype)
+
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
             # only this layer's tensors are read; its host copies die with these locals before the next layer
             qlinears = load_quantized_linears(sd, qspec, prefix=f"{p}.") if qspec else {}
+            sparse = cfg.moe is not None and cfg.moe.sparse[i]
+            mlp = sparse_mlp(p, qlinears) if sparse else dict(
+                gate_up=linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], cfg.mlp_bias, qlinears),
+                down=linear([f"{p}.mlp.down_proj"], cfg.mlp_bias, qlinears))
             layer = Layer(
                 input_norm=take(f"{p}.input_layernorm.weight").to(dev, dtype),
                 post_norm=take(f"{p}.post_attention_layernorm.weight").to(dev, dtype),
                 qkv=linear([f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj", f"{p}.self_attn.v_proj"], cfg.qkv_bias,
                            qlinears),
                 o=linear([f"{p}.self_attn.o_proj"], cfg.o_bias, qlinears),
-                gate_up=linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], cfg.mlp_bias, qlinears),
-                down=linear([f"{p}.mlp.down_proj"], cfg.mlp_bias, qlinears),
-                q_norm=take(f"{p}.self_attn.q_norm.weight").to(dev, dtype) if cfg.qk_norm else None,
-                k_norm=take(f"{p}.self_attn.k_norm.weight").to(dev, dtype) if cfg.qk_norm else None,
+                q_norm=qk_norm(f"{p}.self_attn.q_norm.weight", qk_widths[0]),
+                k_norm=qk_norm(f"{p}.self_attn.k_norm.weight", qk_widths[1]),
+                sparse=sparse, **mlp,
             )
             if qlinears:
                 raise LiteturboError(f"quantized tensors outside the decoder linears are not supported: "
@@ -358,14 +434,17 @@ class LlamaModel:
             q = qkv[:, :q_size].view(t, nh, hd)
             k = qkv[:, q_size:q_size + kv_size].view(t, nkv, hd)
             v = qkv[:, q_size + kv_size:].view(t, nkv, hd)
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and cfg.qk_norm_per_head:
                 q = be.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = be.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            elif layer.q_norm is not None:  # one norm over all heads (OLMoE)
+                q = be.rms_norm(q.reshape(t, q_size), layer.q_norm, cfg.rms_norm_eps).view(t, nh, hd)
+                k = be.rms_norm(k.reshape(t, kv_size), layer.k_norm, cfg.rms_norm_eps).view(t, nkv, hd)
             q = be.rotary_write(q, k, v, cos, sin, kv_cache, i, meta.slot_mapping)
             a = be.attention(q, kv_cache, i, meta, self.scale)
             o = layer.o(a.reshape(t, q_size))
             x, h = be.add_rms_norm(o if sh is None else be.all_reduce(o), h, layer.post_norm, cfg.rms_norm_eps)
-            y = layer.down(be.silu_and_mul(layer.gate_up(x)))
+            y = self.sparse_mlp(layer, x) if layer.sparse else layer.down(be.silu_and_mul(layer.gate_up(x)))
             if sh is not None:
                 y = be.all_reduce(y)
             if i + 1 < len(self.layers):  # the residual add fused with the next layer's input norm
@@ -381,6 +460,24 @@ class LlamaModel:
         logits = head(h).float()
         return logits if sh is None else sh.gather_logits(logits, be)
 
+    def sparse_mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        """A sparse layer's MLP for ``x [T, hidden]``: router logits in ``x.dtype``, softmax in float32, the top-k
+        experts (renormalised when the family does), their weighted sum through the backend's grouped experts
+        operation, plus the shared expert scaled by ``sigmoid(shared_gate(x))`` when there is one (transformers'
+        ``*SparseMoeBlock``). With tensor parallelism each rank returns its part of the experts' intermediate
+        features' contribution (summed by the caller's all-reduce)."""
+        be, moe = self.backend, self.cfg.moe
+        logits = torch.nn.functional.linear(x, layer.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        y = be.experts(x, ids, weights.to(x.dtype), layer.experts)
+        if layer.shared_gate_up is not None:
+            shared = layer.shared_down(be.silu_and_mul(layer.shared_gate_up(x)))
+            y = y + torch.sigmoid(torch.nn.functional.linear(x, layer.shared_gate)) * shared
+        return y
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of every tensor the model holds, by part (the keys of :func:`turbo.core.planner.weight_breakdown`):
         ``decoder linears``, ``embeddings``, ``lm_head`` (0 when it shares the embedding table), ``norms``,
@@ -393,6 +490,8 @@ class LlamaModel:
 
         norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]
         return {"decoder linears": size(*[(l.qkv, l.o, l.gate_up, l.down) for l in self.layers]),
+                "experts": size(*[(l.experts, l.shared_gate_up, l.shared_down) for l in self.layers if l.sparse]),
+                "routers": size(*[(l.router, l.shared_gate) for l in self.layers if l.sparse]),
                 "embeddings": size(self.embed), "lm_head": size(self.lm_head), "norms": size(norms, self.norm),
                 "rotary tables": size(self.cos_sin)}
 
