@@ -88,34 +88,82 @@ class WeightChoice:
     lm_head_int8: bool = False
 
 
-def decoder_linear_specs(cfg, w: WeightChoice) -> list[LinearSpec]:
-    """The linears of one decoder layer as the loader builds them (q/k/v fused, gate/up fused). ``cfg`` is a
-    :class:`turbo.core.model.ModelConfig`."""
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    shapes = [(q + 2 * kv, h, cfg.qkv_bias), (h, q, cfg.o_bias), (2 * inter, h, cfg.mlp_bias), (h, inter, cfg.mlp_bias)]
+def _specs(shapes, w: WeightChoice) -> list[LinearSpec]:
     return [LinearSpec(o, i, bits=w.bits, group_size=w.group_size if w.bits < 16 else -1, act_order=w.act_order,
                        bias=b, scales_dtype=w.scales_dtype) for o, i, b in shapes]
 
 
+def decoder_linear_specs(cfg, w: WeightChoice, layer: int | None = None) -> list[LinearSpec]:
+    """The linears of one decoder layer as the loader builds them (q/k/v fused, gate/up fused); the dense MLP is
+    left out for a sparse layer ``layer`` of a Mixture-of-Experts model (:func:`expert_linear_specs` holds its
+    experts). ``cfg`` is a :class:`turbo.core.model.ModelConfig`."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes = [(q + 2 * kv, h, cfg.qkv_bias), (h, q, cfg.o_bias)]
+    if cfg.moe is None or layer is None or not cfg.moe.sparse[layer]:
+        shapes += [(2 * inter, h, cfg.mlp_bias), (h, inter, cfg.mlp_bias)]
+    return _specs(shapes, w)
+
+
+def expert_linear_specs(cfg, w: WeightChoice) -> tuple[list[LinearSpec], list[LinearSpec]]:
+    """One sparse layer's ``(expert linears, shared-expert linears)``: each expert's fused gate/up and down (the
+    first list has ``2 * num_experts`` entries) and the shared expert's, if any."""
+    h, moe = cfg.hidden_size, cfg.moe
+    one = [(2 * moe.intermediate_size, h, False), (h, moe.intermediate_size, False)]
+    shared = moe.shared_intermediate_size
+    return (_specs(one * moe.num_experts, w),
+            _specs([(2 * shared, h, False), (h, shared, False)] if shared else [], w))
+
+
+def decode_weight_bytes(cfg, backend_cls: type[Backend], device_type: str, dtype: torch.dtype, w: WeightChoice,
+                        tp: int = 1) -> dict[str, int]:
+    """Bytes of weights one batch-1 decode step reads (per rank), by part: ``decoder linears`` (attention, dense
+    MLPs), ``experts`` (the ``top_k`` selected experts of each sparse layer and the shared expert: what a
+    Mixture-of-Experts model reads per token), ``routers``, ``lm_head``, ``norms``. For a dense model it is the weight
+    breakdown without the embedding table (one row is read) and the rotary tables."""
+    full = weight_breakdown(cfg, backend_cls, device_type, dtype, w, tp)
+    out = {k: full[k] for k in ("decoder linears", "routers", "lm_head", "norms")}
+    out["experts"] = 0
+    if cfg.moe is not None:
+        rc = rank_config(cfg, tp)
+        experts, shared = expert_linear_specs(rc, w)
+        one = sum(backend_cls.linear_nbytes(s, dtype, device_type) for s in experts[:2])
+        sh = sum(backend_cls.linear_nbytes(s, dtype, device_type) for s in shared)
+        out["experts"] = sum(cfg.moe.sparse) * (cfg.moe.top_k * one + sh)
+    if not w.lm_head_int8 and cfg.tie_word_embeddings:
+        out["lm_head"] = full["embeddings"]
+    return out
+
+
 def weight_breakdown(cfg, backend_cls: type[Backend], device_type: str, dtype: torch.dtype,
                      w: WeightChoice, tp: int = 1) -> dict[str, int]:
-    """Bytes the engine holds for the weights, by part: ``decoder linears``, ``embeddings``, ``lm_head``, ``norms``,
-    ``rotary tables`` (see the module docstring); per rank (rank 0) with ``tp`` ranks. ``cfg`` is a
+    """Bytes the engine holds for the weights, by part: ``decoder linears`` (attention and dense MLPs), ``experts``
+    (every expert of every sparse layer, and the shared experts), ``routers`` (16-bit routers and shared-expert gates),
+    ``embeddings``, ``lm_head``, ``norms``, ``rotary tables`` (see the module docstring); per rank (rank 0) with ``tp``
+    ranks. ``cfg`` is a
     :class:`turbo.core.model.ModelConfig` of the whole model."""
     cfg = rank_config(cfg, tp)
     e = torch.empty((), dtype=dtype).element_size()
-    per_layer = sum(backend_cls.linear_nbytes(s, dtype, device_type) for s in decoder_linear_specs(cfg, w))
+    nbytes = lambda specs: sum(backend_cls.linear_nbytes(s, dtype, device_type) for s in specs)  # noqa: E731
+    linears = sum(nbytes(decoder_linear_specs(cfg, w, i)) for i in range(cfg.num_layers))
+    experts = routers = 0
+    if cfg.moe is not None:
+        sparse = sum(cfg.moe.sparse)
+        experts = sparse * sum(nbytes(specs) for specs in expert_linear_specs(cfg, w))
+        routers = sparse * (cfg.moe.num_experts + (1 if cfg.moe.shared_intermediate_size else 0)) * cfg.hidden_size * e
     embed = cfg.vocab_size * cfg.hidden_size * e
     if w.lm_head_int8:
         lm_head = backend_cls.linear_nbytes(LinearSpec(cfg.vocab_size, cfg.hidden_size, int8_per_channel=True),
                                             dtype, device_type)
     else:
         lm_head = 0 if cfg.tie_word_embeddings else embed
-    norms = (cfg.num_layers * (2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)) + cfg.hidden_size) * e
+    qk = 0
+    if cfg.qk_norm:
+        qk = 2 * cfg.head_dim if cfg.qk_norm_per_head else (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+    norms = (cfg.num_layers * (2 * cfg.hidden_size + qk) + cfg.hidden_size) * e
     rotary = 2 * max(cfg.max_position_embeddings, 1) * cfg.head_dim * 4
-    return {"decoder linears": cfg.num_layers * per_layer, "embeddings": embed, "lm_head": lm_head, "norms": norms,
-            "rotary tables": rotary}
+    return {"decoder linears": linears, "experts": experts, "routers": routers, "embeddings": embed,
+            "lm_head": lm_head, "norms": norms, "rotary tables": rotary}
 
 
 def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_cache_dtype: str,
@@ -152,6 +200,9 @@ def workspace_breakdown(cfg, backend_cls: type[Backend], dtype: torch.dtype, kv_
     nh, nkv = cfg.num_heads, cfg.num_kv_heads
     qkv = (nh + 2 * nkv) * hd
     act = t * e * (3 * h + qkv + 2 * (nh + nkv) * hd + nh * hd + 4 * inter) + t * h * 8
+    if cfg.moe is not None:  # T x top_k expert rows: gathered inputs, gate/up, SiLU product, outputs; routing
+        rows = t * cfg.moe.top_k
+        act += rows * e * (2 * h + 3 * cfg.moe.intermediate_size) + rows * 24 + t * cfg.moe.num_experts * (e + 4)
     dequant = 0
     if quantized and not batch_invariant and t >= backend_cls.dequant_min_rows:
         dequant = max(qkv * h, h * nh * hd, 2 * inter * h, h * inter) * (e + 1)

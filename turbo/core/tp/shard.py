@@ -24,8 +24,9 @@ import torch
 from backends import KVQuantParams, QuantizedWeight
 from lite.formats import LiteturboError
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+ROW = ("o_proj", "down_proj", "w2")
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's expert projections
 
 
 def partition(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -49,13 +50,23 @@ def split_problems(cfg, tp: int, bits: int = 16, group_size: int = -1) -> list[s
     elif nkv % tp and tp % nkv:
         out.append(f"tp {tp} neither splits the {nkv} KV heads evenly nor replicates them evenly (tp must divide "
                    f"{nkv} or be a multiple of it)")
-    if inter % tp:
-        out.append(f"tp {tp} splits the {inter} MLP features (intermediate_size) into {inter / tp:g} per rank, "
-                   f"not a whole number")
+    widths = [("intermediate_size", inter, "down_proj")]
+    if getattr(cfg, "moe", None) is not None:
+        widths = ([("intermediate_size", inter, "down_proj")] if not all(cfg.moe.sparse) else []) + [
+            ("the experts' intermediate_size", cfg.moe.intermediate_size, "an expert's down_proj")]
+        if cfg.moe.shared_intermediate_size:
+            widths.append(("shared_expert_intermediate_size", cfg.moe.shared_intermediate_size,
+                           "the shared expert's down_proj"))
+        if not cfg.qk_norm_per_head and cfg.qk_norm:
+            out.append(f"tp {tp} would split {cfg.model_type}'s q/k norm, taken over all heads together")
+    for field, width, _ in widths:
+        if width % tp:
+            out.append(f"tp {tp} splits the {width} MLP features ({field}) into {width / tp:g} per rank, "
+                       f"not a whole number")
     if cfg.vocab_size < tp:
         out.append(f"tp {tp} is more ranks than the {cfg.vocab_size} tokens of the vocabulary")
     if bits < 16 and group_size > 0:
-        for name, width in (("o_proj", nh * hd), ("down_proj", inter)):
+        for name, width in (("o_proj", nh * hd), *((n, w) for _, w, n in widths)):
             if width % tp == 0 and (width // tp) % group_size:
                 out.append(f"tp {tp} splits {name}'s {width} input features into {width // tp}, not a multiple of "
                            f"group size {group_size}")
@@ -81,8 +92,11 @@ def rank_config(cfg, tp: int):
     heads, MLP features and vocabulary rows. ``cfg`` itself at ``tp == 1``."""
     if tp == 1:
         return cfg
+    moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // tp,
+                                          shared_intermediate_size=cfg.moe.shared_intermediate_size // tp)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=max(cfg.num_kv_heads // tp, 1),
-                               intermediate_size=cfg.intermediate_size // tp, vocab_size=-(-cfg.vocab_size // tp))
+                               intermediate_size=cfg.intermediate_size // tp, vocab_size=-(-cfg.vocab_size // tp),
+                               moe=moe)
 
 
 @dataclass(frozen=True)
@@ -120,9 +134,17 @@ class Shard:
         """``[lo, hi)`` of the token ids whose embedding and lm_head rows this rank holds."""
         return partition(self.cfg.vocab_size, self.size, self.rank)
 
-    def features(self, short: str) -> tuple[int, int]:
-        """``[lo, hi)`` of the output rows (column-parallel ``short``) or input columns (row-parallel) kept."""
+    def features(self, short: str, name: str = "") -> tuple[int, int]:
+        """``[lo, hi)`` of the output rows (column-parallel ``short``) or input columns (row-parallel) kept; ``name``
+        (the module path) tells an expert's or the shared expert's projections (split on their own intermediate
+        width) from the dense MLP's."""
         hd, inter = self.cfg.head_dim, self.cfg.intermediate_size
+        moe = self.cfg.moe
+        if moe is not None and ".experts." in name:
+            inter = moe.intermediate_size
+        elif moe is not None and ".shared_expert." in name:
+            inter = moe.shared_intermediate_size
+        short = _MIXTRAL.get(short, short)
         if short in ("q_proj", "o_proj"):
             return self.rank * self.num_heads * hd, (self.rank + 1) * self.num_heads * hd
         if short in ("k_proj", "v_proj"):
@@ -137,7 +159,7 @@ class Shard:
         """This rank's part of the dense linear ``name`` (``...q_proj``): ``(weight [out', in'], bias or None)``,
         compact copies (the whole tensors can be freed)."""
         short = name.rsplit(".", 1)[-1]
-        lo, hi = self.features(short)
+        lo, hi = self.features(short, name)
         if short in COLUMN:
             return _copy(weight[lo:hi]), None if bias is None else _copy(bias[lo:hi])
         return _copy(weight[:, lo:hi]), bias if self.rank == 0 else None
@@ -146,7 +168,7 @@ class Shard:
         """This rank's part of the quantized linear ``name``. Raises ``LiteturboError`` when a row-parallel
         split would cut a group (an act-order ``g_idx`` whose groups straddle two ranks)."""
         short = name.rsplit(".", 1)[-1]
-        lo, hi = self.features(short)
+        lo, hi = self.features(short, name)
         if short in COLUMN:
             return QuantizedWeight(qw.bits, qw.group_size, qw.sym, _copy(qw.qweight[lo:hi]),
                                    _copy(qw.qzeros[:, lo:hi]), _copy(qw.scales[:, lo:hi]), qw.g_idx,
