@@ -113,3 +113,26 @@ def test_tp2_equals_tp1(moe_models):
         finally:
             engine.close()
         assert got == ref, name
+
+
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "vocab_size": 151936,
+                 "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+                 "tie_word_embeddings": False}
+
+
+def test_plan_counts_qwen3_30b_a3b_as_its_model_card(tmp_path):
+    """30.5 B parameters, 3.3 B active (the model card's figures); memory for every expert, decode reads top-8."""
+    import json
+
+    from turbo.plan import plan_checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    p, _ = plan_checkpoint(str(tmp_path), gpu_mem="24GiB", device="cpu", dtype="bfloat16", w_bits=4, w_group_size=128,
+                           session_len=4096)
+    assert abs(p.moe["total_parameters"] / 30.5e9 - 1) < 0.01 and abs(p.moe["active_parameters"] / 3.3e9 - 1) < 0.03
+    assert 14 * 2**30 < p.weights["experts"] < 15 * 2**30  # 4-bit codes + group scales of 128 x 48 experts
+    read = sum(p.decode_weights.values())
+    assert 1.4 * 2**30 < read < 1.9 * 2**30 and p.fits

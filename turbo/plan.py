@@ -24,7 +24,7 @@ from .config import DTYPES, KV_ALIASES, KV_CACHE_DTYPE_CHOICES
 from .core.model import ModelConfig
 
 from .core.planner import (ACCELERATOR_RESERVE, GiB, POOL_FRACTION, WeightChoice, gib, kv_spec, parse_memory,
-                           size_pool, weight_breakdown, weight_choice, workspace_breakdown)
+                           size_pool, weight_breakdown, decode_weight_bytes, parameter_counts, weight_choice, workspace_breakdown)
 from .core.tp.shard import check_split, working_sizes
 
 @dataclass
@@ -61,6 +61,10 @@ class Plan:
     raw_config: dict = field(default_factory=dict, repr=False)
     tensor_parallel_size: int = 1
     host_tier_bytes: int = 0  # --session-host-gib: idle sessions' KV in host memory (turbo/core/kv_tier.py)
+    # weight bytes one batch-1 decode step reads, by part (planner.decode_weight_bytes): a Mixture-of-Experts model
+    # holds every expert (weights) but reads only the selected ones per token (speed)
+    decode_weights: dict[str, int] = field(default_factory=dict)
+    moe: dict | None = None  # experts, top_k, total_parameters, active_parameters of a Mixture-of-Experts model
 
     @property
     def host_tier_sessions(self) -> int:
@@ -110,6 +114,14 @@ class Plan:
                     "rotary tables": "float32 cos/sin"}.get(k, "")
             rows.append((f"weights: {k}", gib(v), note))
         rows.append(("weights total", gib(self.weights_total), ""))
+        if self.moe:
+            m = self.moe
+            rows.append(("decode reads per token", gib(sum(self.decode_weights.values())),
+                         f"weights of one batch-1 step: top-{m['top_k']} of {m['experts']} experts per sparse layer"
+                         + (" + the shared expert" if m.get("shared_expert") else "") + ", attention, routers, lm_head"))
+            rows.append(("parameters", f"{m['total_parameters'] / 1e9:.2f} B",
+                         f"{m['active_parameters'] / 1e9:.2f} B active per token (memory counts all, speed the "
+                         f"active)"))
         for k, v in self.workspace.items():
             rows.append((f"workspace: {k}", gib(v), ""))
         rows.append(("workspace total", gib(self.workspace_total),
@@ -233,7 +245,13 @@ def plan(cfg, raw_config: dict, *, model: str, device_kind: str, budget: int, bu
              kv_cache_dtype=kv_dtype, kv_bytes_per_token=bpt, block_size=block_size, pool_blocks=pool.blocks,
              pool_tokens=tokens, pool_bytes=pool.blocks * bpb, session_len=want_len, sessions_at_once=sessions,
              max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens, fits=fits,
-             reason=reason, engine_options=opts, notes=notes, tensor_parallel_size=tp)
+             reason=reason, engine_options=opts, notes=notes, tensor_parallel_size=tp,
+             decode_weights=decode_weight_bytes(cfg, cls, dev_type, dtype, w, tp))
+    if cfg.moe is not None:
+        total, active = parameter_counts(cfg)
+        p.moe = {"experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "sparse_layers": sum(cfg.moe.sparse),
+                 "shared_expert": bool(cfg.moe.shared_intermediate_size), "total_parameters": total,
+                 "active_parameters": active}
     if not fits and suggest:
         args = dict(model=model, device_kind=device_kind, budget=budget, budget_source=budget_source, backend=backend,
                     dtype=dtype, weights=w, kv_cache_dtype=kv_dtype, session_len=want_len,

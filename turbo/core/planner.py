@@ -115,6 +115,31 @@ def expert_linear_specs(cfg, w: WeightChoice) -> tuple[list[LinearSpec], list[Li
             _specs([(2 * shared, h, False), (h, shared, False)] if shared else [], w))
 
 
+def parameter_counts(cfg) -> tuple[int, int]:
+    """``(total, active)`` parameters of ``cfg`` (a :class:`turbo.core.model.ModelConfig`): every weight, and those
+    one token uses (the ``top_k`` selected experts of each sparse layer, not the others; the embedding table counted
+    whole in both, a tied lm_head once), as the model cards count them."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if cfg.qkv_bias else 0)
+    qk = (2 * hd if cfg.qk_norm_per_head else q + kv) if cfg.qk_norm else 0
+    per_layer_fixed = attn + 2 * h + qk
+    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
+    total = active = embed + cfg.num_layers * per_layer_fixed
+    for i in range(cfg.num_layers):
+        if cfg.moe is not None and cfg.moe.sparse[i]:
+            m = cfg.moe
+            one = 3 * h * m.intermediate_size
+            shared = 3 * h * m.shared_intermediate_size + (h if m.shared_intermediate_size else 0)
+            total += m.num_experts * one + shared + m.num_experts * h
+            active += m.top_k * one + shared + m.num_experts * h
+        else:
+            dense = 3 * h * cfg.intermediate_size
+            total += dense
+            active += dense
+    return total, active
+
+
 def decode_weight_bytes(cfg, backend_cls: type[Backend], device_type: str, dtype: torch.dtype, w: WeightChoice,
                         tp: int = 1) -> dict[str, int]:
     """Bytes of weights one batch-1 decode step reads (per rank), by part: ``decoder linears`` (attention, dense
