@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .base import Backend
 from .kv_cache import PagedKVCache
 from .torch_attention import attention_plan, paged_rows, rowwise_attention
-from .types import AttentionMetadata, LinearSpec, QuantizedWeight
+from .types import AttentionMetadata, ExpertsHandle, LinearSpec, QuantizedWeight
 
 _INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 # the aten kernels through their torch._* bindings where present (about 1 us less per call than torch.ops.aten's
@@ -100,6 +100,23 @@ class Int4PackHandle:
     nibbles: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     scaled_zeros: torch.Tensor | None = None
+
+
+@dataclass
+class W4ExpertsHandle:
+    """The 4-bit experts of one sparse layer stacked in the layout of liteturbo's C++ grouped W4A16 kernel
+    (``backends/csrc/moe_cpu.cpp``, AVX-512 BF16): ``gate_up`` = (packed uint8 ``[E, 2I/32, H/4, 64]``, zero points
+    int16 ``[E, 2I/32, H/g, 2, 16]``, scales bf16 ``[E, 2I/32, H/g, 2, 16]``), each expert's fused gate (first I rows)
+    and up projections as :func:`backends.cpu_ext.pack_w4_tiles` lays out one weight; ``down`` the same for the
+    down projections ``[E, H/32, I/4, 64]``. Half a byte per weight plus 4 bytes per group and output channel, as
+    the experts' :class:`W4TilesHandle` would hold them one by one."""
+
+    gate_up: tuple
+    down: tuple
+    group_size_gate_up: int
+    group_size_down: int
+    intermediate_size: int
+    num_experts: int
 
 
 @dataclass
@@ -270,7 +287,8 @@ class TorchBackend(Backend):
     def serving_handle_types(self) -> tuple[type, ...]:
         """See :meth:`Backend.serving_handle_types`: every handle :meth:`prepare_w4a16` and :meth:`prepare_w8a16`
         return here (the dense ones are tuples of tensors)."""
-        return W4TilesHandle, W8TilesHandle, Int4PackHandle, DequantHandle, QuantizedWeight
+        return (W4TilesHandle, W8TilesHandle, Int4PackHandle, DequantHandle, QuantizedWeight, W4ExpertsHandle,
+                ExpertsHandle)
 
     @classmethod
     def op_coverage(cls, platform=None) -> dict[str, str]:
@@ -374,6 +392,70 @@ class TorchBackend(Backend):
             return y if y.dtype == x.dtype else y.to(x.dtype)
         w = handle.qw.dequantize(x.dtype)
         return F.linear(x, w, None if handle.bias is None else handle.bias.to(x.dtype))
+
+    # --- Mixture-of-Experts ----------------------------------------------------------------------
+    def _stack_experts_ok(self, gate_up: list, down: list, dtype: torch.dtype) -> bool:
+        """Whether the C++ grouped kernel takes these experts: bf16, the extension with AVX-512 BF16, 4-bit weights
+        without act-order, one group size per projection, widths the tiled layout and the fused SiLU take (``I`` and
+        ``hidden`` multiples of 32); not in batch-invariant mode (the kernel picks its path by how many rows share an
+        expert)."""
+        if not (dtype == torch.bfloat16 and self.ext is not None and not self.batch_invariant and self.int4_kernel
+                and getattr(self.ext, "has_w4_experts", lambda: False)()):
+            return False
+        for ws in (gate_up, down):
+            if not all(isinstance(w, QuantizedWeight) and w.bits == 4 and w.has_trivial_g_idx() and w.bias is None
+                       for w in ws):
+                return False
+            if len({(w.effective_group_size, w.out_features, w.in_features) for w in ws}) != 1:
+                return False
+            w = ws[0]
+            if not (w.out_features % 32 == 0 and w.in_features % 4 == 0 and w.effective_group_size % 8 == 0
+                    and w.in_features % w.effective_group_size == 0):
+                return False
+        return gate_up[0].out_features % 64 == 0  # I a multiple of 32: gate block c pairs with up block c + I/32
+
+    def prepare_experts(self, gate_up: list, down: list, dtype: torch.dtype) -> Any:
+        """See :meth:`Backend.prepare_experts`. On CPUs where the C++ grouped kernel runs (:meth:`_stack_experts_ok`):
+        one :class:`W4ExpertsHandle`, each expert packed straight into the stacked tensors (no second copy of the
+        layer); else the generic :class:`~backends.types.ExpertsHandle` of per-expert handles."""
+        if not self._stack_experts_ok(gate_up, down, dtype):
+            return super().prepare_experts(gate_up, down, dtype)
+        from .cpu_ext import pack_w4_tiles
+
+        def stack(ws: list) -> tuple:
+            """The experts' tiled layouts stacked on a new leading dim, written expert by expert."""
+            out = None
+            for e, w in enumerate(ws):
+                parts = pack_w4_tiles(w.qweight, w.qzeros.T, w.scales.T)
+                if out is None:
+                    out = tuple(torch.empty((len(ws), *t.shape), dtype=t.dtype) for t in parts)
+                for dst, src in zip(out, parts):
+                    dst[e].copy_(src)
+            return out
+        return W4ExpertsHandle(stack(gate_up), stack(down), gate_up[0].effective_group_size,
+                               down[0].effective_group_size, gate_up[0].out_features // 2, len(gate_up))
+
+    def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> torch.Tensor:
+        """See :meth:`Backend.experts`. A :class:`W4ExpertsHandle`: the ``T x k`` (token, expert) rows sorted by expert,
+        then two calls of the C++ grouped kernel over every selected expert at once: gate and up with the SiLU
+        product fused (``act=True``: ik_llama.cpp's fused MoE), then down; its work units are (run of rows of one
+        expert, block of 32 output channels) spread over the threads, so 8 small experts of a batch-1 decode keep
+        every core busy, and an expert's rows share each decoded weight tile (prefill: each expert's W4A16 GEMM runs
+        once over its tokens). The weighted products are summed per token in expert order."""
+        if not isinstance(handle, W4ExpertsHandle):
+            return super().experts(x, topk_ids, topk_weights, handle)
+        k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // k
+        ids = flat.index_select(0, order).to(torch.int32)
+        xs = x.index_select(0, tokens)
+        if xs.dtype != torch.bfloat16:
+            xs = xs.to(torch.bfloat16)
+        h = self.ext.w4a16_experts_mm(xs, ids, *handle.gate_up, handle.group_size_gate_up, True)
+        y = self.ext.w4a16_experts_mm(h, ids, *handle.down, handle.group_size_down, False)
+        y = y.to(x.dtype).mul_(topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, tokens, y)
 
     def prepare_w8a16(self, weight: torch.Tensor, dtype: torch.dtype) -> Any:
         """See :meth:`Backend.prepare_w8a16` (the same codes and scales). In bf16 on CPUs whose C++ extension has

@@ -151,3 +151,35 @@ def test_prepare_experts_refuses_mixed_and_mismatched():
         be.prepare_experts([torch.zeros(8, 4), torch.zeros(6, 4)], [torch.zeros(4, 4), torch.zeros(4, 3)],
                            torch.float32)
     assert isinstance(qw, QuantizedWeight)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 70])
+def test_cpu_grouped_w4_experts_against_float64(tokens):
+    """The torch backend's stacked experts (the C++ grouped kernel, bf16) against float64 math on the dequantized
+    weights: decode (1 token, 8 experts), small batches and a prefill-sized step where experts share many rows."""
+    from backends.torch_backend import W4ExpertsHandle
+
+    be = get_backend("torch")
+    g = torch.Generator().manual_seed(tokens)
+    e, h, inter, k = 16, 128, 64, 4
+    gate_up = [quantize_rtn(torch.randn(2 * inter, h, generator=g) * 0.05, 4, 32, False) for _ in range(e)]
+    down = [quantize_rtn(torch.randn(h, inter, generator=g) * 0.05, 4, 32, False) for _ in range(e)]
+    handle = be.prepare_experts(gate_up, down, torch.bfloat16)
+    if not isinstance(handle, W4ExpertsHandle):
+        pytest.skip("the C++ grouped W4A16 kernel does not run on this CPU (AVX-512 BF16)")
+    x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, generator=g).to(torch.bfloat16)
+    got = be.experts(x, ids, w, handle).double()
+    ref = torch.zeros(tokens, h, dtype=torch.float64)
+    xd = x.double()
+    for i in range(tokens):
+        for j in range(k):
+            gu = gate_up[ids[i, j]].dequantize(torch.float64) @ xd[i]
+            act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+            ref[i] += w[i, j].double() * (down[ids[i, j]].dequantize(torch.float64) @ act)
+    rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 2e-2, rel
+    generic = super(type(be), be).experts(x, ids, w, be.__class__.__mro__[1].prepare_experts(be, gate_up, down,
+                                                                                              torch.bfloat16))
+    assert ((generic.double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
