@@ -142,7 +142,8 @@ class AscendBackend(TorchBackend):
         return {**super().op_coverage(None), "linear": "torch F.linear on npu", "w4a16_linear": w4,
                 "w8a16_linear": w8, "rms_norm": ref, "add_rms_norm": ref + " (unfused add, then rms_norm)",
                 "silu_and_mul": ref, "rotary": ref, "attention": ref + " (SDPA + batched matmul decode)",
-                "kv_write_int8": ref, "kv_write_int4": ref}
+                "kv_write_int8": ref, "kv_write_int4": ref,
+                "experts": "grouped by expert, each selected expert's linears once over its rows (on npu)"}
 
     def _vendor_has(self, *ops: str) -> bool:
         return self.npu is not None and all(hasattr(self.npu, op) for op in ops)

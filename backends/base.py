@@ -61,14 +61,16 @@ class Backend(ABC):
         """Which implementation runs each op on ``platform`` (a :class:`~backends.platform.Platform`; ``None``:
         wherever the backend runs), for ``liteturbo env``: op name → a short phrase. The keys are the ops the model
         runner calls: ``linear``, ``w4a16_linear``, ``w8a16_linear``, ``rms_norm``, ``add_rms_norm``,
-        ``silu_and_mul``, ``rotary``, ``attention``, ``kv_write_int8``, ``kv_write_int4``. This default describes
+        ``silu_and_mul``, ``rotary``, ``attention``, ``kv_write_int8``, ``kv_write_int4``, ``experts`` (a
+        Mixture-of-Experts layer's selected experts). This default describes
         the generic methods above; backends override the entries they implement themselves."""
         generic = "torch reference (Backend default)"
         return {"linear": generic, "w4a16_linear": "backend-specific (abstract)", "w8a16_linear": generic,
                 "rms_norm": "backend-specific (abstract)", "add_rms_norm": "rms_norm after an unfused add",
                 "silu_and_mul": generic, "rotary": "backend-specific (abstract)",
                 "attention": "backend-specific (abstract)", "kv_write_int8": "torch reference (PagedKVCache.write)",
-                "kv_write_int4": "torch reference (PagedKVCache.write)"}
+                "kv_write_int4": "torch reference (PagedKVCache.write)",
+                "experts": "grouped by expert, each selected expert's linears once over its rows (Backend default)"}
 
     # --- memory accounting ---------------------------------------------------------------------
     @classmethod

@@ -325,6 +325,10 @@ class TorchBackend(Backend):
             "attention": ("torch SDPA (prefill) + batched matmul decode over the gathered paged KV"
                           + ("; a 16-bit cache: liteturbo C++ paged attention over the block tables, all rows of a "
                              "step in one call" if ext else "")),
+            "experts": (("bf16 4-bit experts: liteturbo's C++ grouped W4A16 kernel (AVX-512 BF16), every selected "
+                         "expert in one call, gate+up+SiLU fused, work split by (expert, channel block); else "
+                         if ext and cpu_ext.w4_tiles_expected() else "") +
+                        "grouped by expert, each selected expert's linears once over its rows"),
             "kv_write_int8": ref + " (quantize per token + index_copy)",
             "kv_write_int4": ref + " (quantize per token, pack nibbles + index_copy)",
         }
