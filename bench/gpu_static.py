@@ -12,19 +12,27 @@ warp-instructions per unit of work and the H200 issue-bound ceiling as a fractio
   Unit: one weight (per row of M where the kernel serves several rows: ``per_weight_row``).
 - W4A16 (old, ``kernels._w4a16_kernel`` / ``_dequant_w4_kernel``, the pre-issue-22 kernels kept as the reference
   path, still used for irregular act-order ``g_idx``): the same cases as launched by ``kernels.w4a16_gemm``.
+- MoE W4A16 (``backends/triton/moe.py``): the fused experts kernel as :func:`backends.triton.moe.plan` launches it
+  on an H200 for a Qwen3-30B-A3B sparse layer (hidden 2048, I 768, 128 experts, top-8): the gate/up launch (SiLU
+  fused) and the down launch (routing weight fused) at T = 1 (decode), 16, 256, 512 and 2048 tokens, bf16 (and
+  fp16 without ``--quick``), group sizes 128 (and 32, -1 without ``--quick``). Unit: one weight (gate/up reads two
+  per output column); per weight row: divided by the rows an expert's block fills on average.
 - Attention: from ``bench/gpu_static_attention.py`` (``rows(old)`` and ``summary(rows)``) when it exists.
 - The row-wise kernels (RMSNorm, SiLU-and-mul, quantizing KV write, rotary fused with the KV write): registers
   and spills.
 
 ``--old`` prints today's (old) kernels' rows too (the JSON line always carries both W4A16 figures, and with
 ``--old`` today's attention figures as ``..._old``); ``--quick``: only M = 1 and group size 128, attention for GQA
-groups 1 and 8 at head dim 128, no row-wise kernels. The last stdout line with ``--json`` is one JSON object:
+groups 1 and 8 at head dim 128, the MoE kernel at T = 1 only, no row-wise kernels. The last stdout line with
+``--json`` is one JSON object:
 ``w4a16_m1_warp_instr_per_weight`` (new, bf16, group 128; ``..._by_group`` and ``..._worst`` over the groups),
 ``w4a16_m1_warp_instr_per_weight_old``, ``attention_bf16_warp_instr_per_token_head``,
 ``attention_int4_warp_instr_per_token_head`` (null without the attention module), ``max_spill_bytes`` (new
-kernels: W4A16, row-wise, attention; ``max_spill_config`` names the worst), ``max_spill_bytes_old``, the
-issue-bound fractions and ``toolchain`` (Triton's version, its ptxas's and cuobjdump's ``--version`` lines, the target
-and ptxas options: registers and spills depend on the toolchain, not on the host; :func:`sm90.toolchain`).
+kernels: W4A16, row-wise, MoE, attention; ``max_spill_config`` names the worst), ``max_spill_bytes_old``, the
+issue-bound fractions, ``moe_decode_{gate_up,down}_{registers,spill_bytes,warp_instr_per_weight}`` (the MoE kernel
+at T = 1, bf16, group 128) and ``max_spill_bytes_moe``, and ``toolchain`` (Triton's version, its ptxas's and
+cuobjdump's ``--version`` lines, the target and ptxas options: registers and spills depend on the toolchain, not
+on the host; :func:`sm90.toolchain`).
 """
 from __future__ import annotations
 
@@ -115,6 +123,50 @@ def w4a16_new_rows(quick=False):
             rep = sm90.compile_report(W._dequant_tiled_kernel, sig, const, 4, 3, divisible=("N", "K", "K8P"))
             out.append(_row(f"w4a16 new dequant {dt} g{gs}", rep, 64 * 64, kernel="w4a16_dequant", version="new",
                             dtype=dt, group_size=gs))
+    return out
+
+
+# --- MoE W4A16 (backends/triton/moe.py) --------------------------------------------------------------------------
+MOE_SHAPE = dict(hidden=2048, inter=768, experts=128, top_k=8)  # Qwen3-30B-A3B's sparse layers
+MOE_TOKENS = (1, 16, 256, 512, 2048)
+
+
+def moe_rows(quick=False):
+    """Report rows of the fused MoE kernel (gate/up with SiLU, down with the routing weight) as
+    :func:`backends.triton.moe.plan` launches it on an H200 for :data:`MOE_SHAPE` at :data:`MOE_TOKENS` tokens."""
+    from backends.triton import moe as Moe
+
+    out = []
+    hidden, inter, experts, top_k = (MOE_SHAPE[k] for k in ("hidden", "inter", "experts", "top_k"))
+    dts = ("bf16",) if quick else tuple(DTYPES)
+    groups = (128,) if quick else (32, 128, -1)
+    tokens = (1,) if quick else MOE_TOKENS
+    for dt in dts:
+        for gs in groups:
+            for t in tokens:
+                pairs = t * top_k
+                p = Moe.plan(pairs, experts, hidden, inter, gs, gs, sms=H200_SMS)
+                bm = p["block_m"]
+                rows = min(bm, -(-pairs // min(experts, pairs)))  # rows an expert's block fills, on average
+                for name, n, k, gated in (("gate_up", inter, hidden, True), ("down", hidden, inter, False)):
+                    c = p[name]
+                    bn, bk = c["block_n"], c["block_k"]
+                    sn = 2 * n if gated else n
+                    ints = dict(N=n, K=k, K8P=-(-k // 128) * 16, NT=-(-sn // 128), SN=sn,
+                                stride_se=sn * (1 if gs <= 0 else k // gs), num_valid=pairs, stride_am=k,
+                                stride_om=n)
+                    sig = {key: "i32" for key in ints}
+                    sig.update(a_ptr=f"*{dt}", qw_ptr="*i32", s_ptr=f"*{dt}", z_ptr="*u8", out_ptr=f"*{dt}",
+                               tw_ptr=f"*{dt}", sorted_ptr="*i32", bexp_ptr="*i32", npad_ptr="*i32")
+                    const = dict(TOP_K=top_k if gated else 1, GROUP=Moe.kernel_group(gs, k), GATED=gated,
+                                 MUL_WEIGHT=not gated, IEEE=False, ASM=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                 EVEN_K=k % bk == 0, EVEN_N=n % bn == 0)
+                    rep = sm90.compile_report(Moe._moe_w4a16_kernel, sig, const, c["num_warps"], c["num_stages"],
+                                              divisible=[key for key, v in ints.items() if v % 16 == 0])
+                    units = bn * bk * (2 if gated else 1)
+                    out.append(_row(f"moe {name} {dt} T={t} g{gs} bm{bm} bn{bn} bk{bk}", rep, units, rows,
+                                    kernel="moe", dtype=dt, tokens=t, group_size=gs, launch=name, block_m=bm,
+                                    block_n=bn, block_k=bk, programs_n=-(-n // bn)))
     return out
 
 
@@ -268,7 +320,9 @@ def main(argv=None) -> dict:
     new = w4a16_new_rows(args.quick)
     old = w4a16_old_rows(args.quick)
     rowwise = [] if args.quick else rowwise_rows()
+    moe = moe_rows(args.quick)
     _print_rows("W4A16 (new: backends/triton/w4a16.py)", new)
+    _print_rows("MoE W4A16 (backends/triton/moe.py: Qwen3-30B-A3B layer, top-8 of 128 experts)", moe)
     if args.old:
         _print_rows("W4A16 (old: kernels._w4a16_kernel, the reference path)", old)
     if rowwise:
@@ -284,7 +338,7 @@ def main(argv=None) -> dict:
 
     m1 = _pick(new, dtype="bf16", m=1, group_size=128, kernel="w4a16")
     m1_old = _pick(old, dtype="bf16", m=1, group_size=128, kernel="w4a16")
-    compiled = [r for r in new + rowwise if "spill_bytes" in r]
+    compiled = [r for r in new + rowwise + moe if "spill_bytes" in r]
     att_sum = att_new[1] if att_new else {}
     if att_new:
         compiled += [r for r in att_new[0] if isinstance(r, dict) and "spill_bytes" in r]
@@ -309,6 +363,13 @@ def main(argv=None) -> dict:
         "max_spill_bytes_old": max(r["spill_bytes"] for r in old),
         "toolchain": tc,
     }
+    for launch in ("gate_up", "down"):
+        r = _pick(moe, dtype="bf16", tokens=1, group_size=128, launch=launch)
+        if r:
+            summary[f"moe_decode_{launch}_registers"] = r["registers"]
+            summary[f"moe_decode_{launch}_spill_bytes"] = r["spill_bytes"]
+            summary[f"moe_decode_{launch}_warp_instr_per_weight"] = r["warp_instr_per_weight"]
+    summary["max_spill_bytes_moe"] = max((r["spill_bytes"] for r in moe), default=0)
     for key, val in (att_sum or {}).items():
         summary.setdefault(key, val)
     if att_old:

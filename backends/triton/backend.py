@@ -11,6 +11,11 @@
 - The KV cache is the torch backend's :class:`~backends.kv_cache.PagedKVCache` layout; int8/int4 writes
   quantize in a kernel (bit-identical to :func:`~backends.kv_cache.quantize_per_token`).
 - RMSNorm (fused with the residual add) and SiLU-and-mul run as kernels on rows with a contiguous last dim.
+- Mixture-of-Experts (:mod:`backends.triton.moe`): the experts' 4-bit weights, each prepared as a W4A16 linear,
+  stacked on a leading expert dim (:class:`TritonW4ExpertsHandle`); the (token, expert) pairs sorted and padded by
+  expert into row blocks, then two fused launches: gate and up with ``silu(gate) * up`` in the epilogue, and down
+  with the routing weight multiplied in; the top-k sum in torch. Dense experts and weights the kernel does not take
+  use the per-expert reference of :class:`~backends.base.Backend`.
 
 The crossover and split-K choices are heuristics not yet tuned on a GPU (`bench/kernel_choices.py` measures them;
 `bench/gpu.sh` runs it on a lent GPU).
@@ -63,6 +68,24 @@ class TritonW4Handle:
     bias: torch.Tensor | None
     dtype: torch.dtype
     layout: str = "gptq"
+
+
+@dataclass
+class TritonW4ExpertsHandle:
+    """The 4-bit experts of one sparse layer for :func:`backends.triton.moe.fused_moe_w4a16`: each expert's
+    :class:`TritonW4Handle` (tiled layout) stacked on a leading expert dim. ``gate_up`` = (qweight int32
+    ``[E, ceil(2I/128), ceil(H/128)*16, 128]``, scales ``[E, groups, 2I]`` in ``dtype``, zero points uint8
+    ``[E, groups, 2I]``), the fused gate (first ``I`` rows) and up projections; ``down`` the same for ``[H, I]``.
+    The bytes of the experts' :class:`TritonW4Handle` one by one (what :meth:`TritonBackend.linear_nbytes` counts)."""
+
+    gate_up: tuple
+    down: tuple
+    group_size_gate_up: int
+    group_size_down: int
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    dtype: torch.dtype
 
 
 class TritonCache(PagedKVCache):
@@ -127,10 +150,8 @@ class TritonBackend(TorchBackend):
     def op_coverage(cls, platform=None) -> dict[str, str]:
         """See :meth:`Backend.op_coverage`."""
         interp = " (Triton interpreter)" if platform is not None and platform.kind == "cpu" else ""
-        if platform is not None and cls.unsupported_reason(platform):
-            return {op: "not usable here (see the reason)" for op in super().op_coverage(platform)}
         k = "triton kernel" + interp
-        return {
+        cov = {
             **super().op_coverage(platform),
             "linear": "torch F.linear (cuBLAS)" if not interp else "torch F.linear",
             "w4a16_linear": (f"{k}: int4 GEMV (magic-number int4 conversion, no tl.dot) up to a few rows, "
@@ -146,7 +167,14 @@ class TritonBackend(TorchBackend):
                          f"for whole-prompt prefill",
             "kv_write_int8": k + " (quantize per token and head, store)",
             "kv_write_int4": k + " (quantize, pack nibbles, store)",
+            "experts": (f"{k}: fused MoE W4A16 (pairs sorted and padded by expert into 16-64-row blocks; gate and up "
+                        f"with SiLU fused, then down with the routing weight, stacked 4-bit experts dequantized in "
+                        f"the tensor-core loop); the per-expert reference for dense experts and weights it does not "
+                        f"take (act-order, bias, groups not a multiple of 16)"),
         }
+        if platform is not None and cls.unsupported_reason(platform):
+            return {op: "not usable here (see the reason)" for op in cov}
+        return cov
 
     # --- W4A16 ---------------------------------------------------------------------------------------------
     # the weight layout prepare_w4a16 produces: "tiled" (backends/triton/w4a16.py: GEMV for few rows, tensor-core
@@ -239,6 +267,93 @@ class TritonBackend(TorchBackend):
         else:
             y = self.kernels.w4a16_gemm(xin, h.qweight, h.scales, h.zeros, h.group_size, h.n, h.k, h.g_idx, h.bias,
                                         split_k=self._split_k(m, h.n, h.k))
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    # --- Mixture-of-Experts ---------------------------------------------------------------------------------
+    def _stacked_experts_ok(self, gate_up: list, down: list) -> bool:
+        """Whether the fused MoE kernel takes these experts (else the per-expert reference runs them): all 4-bit,
+        no act-order ``g_idx``, no bias, one group size per projection that the kernel takes (one group over K, or
+        a multiple of 16; :func:`backends.triton.moe.kernel_takes`), the tiled W4A16 layout. Raises ``ValueError``
+        when 4-bit experts disagree in shape (gate_up ``[2I, H]``, down ``[H, I]`` for every expert)."""
+        from . import moe
+
+        ws = (*gate_up, *down)
+        if not gate_up or len(gate_up) != len(down) or not all(isinstance(w, QuantizedWeight) and w.bits == 4
+                                                               for w in ws):
+            return False
+        two_i, hidden = gate_up[0].out_features, gate_up[0].in_features
+        for e, (gu, dn) in enumerate(zip(gate_up, down)):
+            if (gu.out_features, gu.in_features) != (two_i, hidden) or two_i % 2:
+                raise ValueError(f"expert {e}'s gate_up projection is {[gu.out_features, gu.in_features]}, expected "
+                                 f"{[two_i, hidden]} (every expert [2I, hidden], I the same)")
+            if (dn.out_features, dn.in_features) != (hidden, two_i // 2):
+                raise ValueError(f"expert {e}'s down projection is {[dn.out_features, dn.in_features]}, expected "
+                                 f"{[hidden, two_i // 2]} ([hidden, I])")
+        if self.w4a16_layout != "tiled" or any(w.bias is not None or not w.has_trivial_g_idx() for w in ws):
+            return False
+        for proj in (gate_up, down):
+            sizes = {w.effective_group_size for w in proj}
+            if len(sizes) != 1 or not moe.kernel_takes(proj[0].group_size, proj[0].in_features):
+                return False
+        return True
+
+    def prepare_experts(self, gate_up: list, down: list, dtype: torch.dtype) -> Any:
+        """See :meth:`Backend.prepare_experts`. 4-bit experts the fused kernel takes (:meth:`_stacked_experts_ok`):
+        one :class:`TritonW4ExpertsHandle`, each expert prepared by :meth:`prepare_w4a16` and copied into the
+        stacked tensors (one expert's transient copy at a time); otherwise (dense experts, act-order, bias, other
+        widths or group sizes) the generic :class:`~backends.types.ExpertsHandle` of per-expert handles."""
+        if not self._stacked_experts_ok(gate_up, down):
+            return super().prepare_experts(gate_up, down, dtype)
+
+        def stack(ws: list) -> tuple:
+            out = None
+            for e, w in enumerate(ws):
+                h = self.prepare_w4a16(w, dtype)
+                assert h.layout == "tiled" and h.in_perm is None and h.g_idx is None and h.bias is None
+                parts = (h.qweight, h.scales, h.zeros)
+                if out is None:
+                    out = tuple(torch.empty((len(ws), *t.shape), dtype=t.dtype, device=t.device) for t in parts)
+                for dst, src in zip(out, parts):
+                    dst[e].copy_(src)
+                del h, parts
+            return out
+
+        return TritonW4ExpertsHandle(stack(gate_up), stack(down), gate_up[0].effective_group_size,
+                                     down[0].effective_group_size, gate_up[0].in_features,
+                                     gate_up[0].out_features // 2, len(gate_up), dtype)
+
+    def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> torch.Tensor:
+        """See :meth:`Backend.experts`. A :class:`TritonW4ExpertsHandle`: :func:`backends.triton.moe.fused_moe_w4a16`
+        (two launches over every selected expert, ``h`` and the weighted products in the compute dtype, the top-k
+        sum in torch); other handles: the per-expert reference. Raises ``ValueError`` for shapes that disagree, and,
+        off CUDA devices, for expert ids outside ``[0, E)`` (on a GPU that check would synchronize every layer:
+        out-of-range ids there fail in the routing's ``scatter_add_`` with a device-side assertion)."""
+        if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"experts needs x [T, hidden] and topk_ids [T, k], got {tuple(x.shape)} and "
+                             f"{tuple(topk_ids.shape)}")
+        if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must have topk_ids' shape "
+                             f"{tuple(topk_ids.shape)}")
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+            raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+        if not isinstance(handle, TritonW4ExpertsHandle):
+            return super().experts(x, topk_ids, topk_weights, handle)
+        from . import moe
+
+        h = handle
+        if x.shape[1] != h.hidden_size:
+            raise ValueError(f"x has {x.shape[1]} features, the experts take hidden_size={h.hidden_size}")
+        if topk_ids.device.type != "cuda" and topk_ids.numel():
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < 0 or hi >= h.num_experts:
+                raise ValueError(f"topk_ids must lie in [0, {h.num_experts}), got ids {lo}..{hi}")
+        xin = x if x.dtype == h.dtype else x.to(h.dtype)
+        if xin.stride(-1) != 1:
+            xin = xin.contiguous()
+        ids = topk_ids if topk_ids.dtype == torch.int64 else topk_ids.long()
+        y = moe.fused_moe_w4a16(xin, ids, topk_weights, h.gate_up, h.down, h.group_size_gate_up, h.group_size_down,
+                                h.intermediate_size, sms=self._sms if self.device.type == "cuda" else 1,
+                                batch_invariant=self.batch_invariant)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     # --- rotary + KV write -----------------------------------------------------------------------------------
