@@ -52,6 +52,10 @@ GIB = 2**30
 REQUIRED_KEYS = ("size", "decode_tok_s", "llama_cpp_decode_tok_s", "vllm_decode_tok_s", "decode_vs_llama_cpp",
                  "bandwidth_fraction", "copy_gb_s", "prefill_vs_llama_cpp", "plan_vs_measured_rss", "rtn_seconds",
                  "rtn_peak_gib", "load_seconds", "llama_cpp_load_seconds", "cpu", "threads")
+# a Mixture-of-Experts size adds these (docs/scale.md)
+MOE_KEYS = ("active_parameters", "total_parameters", "bytes_per_token", "batch8_decode_tok_s", "batch8_vs_batch1",
+            "batch8_bandwidth_fraction", "gptq_seconds_per_layer", "auto_awq_seconds_per_layer", "calibrated_peak_gib",
+            "experts_without_tokens")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -126,6 +130,8 @@ def measure_size(size: str, args, notes: list[str]) -> dict:
     import synthetic
 
     cfg = synthetic.SIZES[size]
+    if cfg.is_moe:
+        return measure_moe_size(size, args, notes)
     ckpt = synthetic.ensure_checkpoint(size, args.vocab, args.seed, args.cache_dir, quiet=args.json)
     row = {k: None for k in REQUIRED_KEYS}
     row.update({f"{m.replace('-', '_')}_{k}": None for m in CALIBRATED for k in CALIBRATED_KEYS})
@@ -179,6 +185,147 @@ def measure_size(size: str, args, notes: list[str]) -> dict:
     row["prefill_vs_llama_cpp"] = ratio(row.get("prefill_tok_s"), row.get("llama_cpp_prefill_tok_s"))
     row["decode_vs_vllm"] = ratio(row["decode_tok_s"], row["vllm_decode_tok_s"])
     return row
+
+
+def measure_moe_size(size: str, args, notes: list[str]) -> dict:
+    """Every part for a Mixture-of-Experts size. The weights never exist twice in 16-bit on disk: turbo's W4A16
+    checkpoint is written straight from the seeds (:func:`synthetic.ensure_w4a16`, what ``lite rtn`` makes of the bf16
+    one) and packed once (``liteturbo pack``: its serving layout, as the ``lite`` commands save it); llama.cpp's Q4_0
+    GGUF is written straight from the same seeds (:func:`synthetic.ensure_q4_0_direct`). ``lite rtn`` and the
+    calibrated methods are measured on the bf16 checkpoint when ``--moe-bf16-layers`` is 0 and it fits on disk, else on
+    its first ``--moe-bf16-layers`` layers (same shapes per layer: the per-layer time and the peak RSS, which is bounded
+    by one layer, are those of the whole model). When both engines do not fit in memory together (``--alone``, or
+    the plan says so) they run one at a time, alternating, ``--alone-rounds`` rounds each, instead of decode pairs."""
+    import synthetic
+
+    cfg = synthetic.SIZES[size]
+    row = {k: None for k in REQUIRED_KEYS + MOE_KEYS}
+    row.update({f"{m.replace('-', '_')}_{k}": None for m in CALIBRATED for k in CALIBRATED_KEYS})
+    row.update(size=size, source=cfg.source, parameters=cfg.num_parameters(args.vocab), vocab=args.vocab,
+               total_parameters=cfg.num_parameters(args.vocab), active_parameters=cfg.active_parameters(args.vocab),
+               cpu=cpu_name(), threads=args.threads)
+    common = {"threads": args.threads, "new_tokens": args.new_tokens, "prefill": args.prefill,
+              "repeats": args.repeats, "max_kv_tokens": args.max_kv_tokens}
+    copy = run_part("copy", {**common, "mib": args.copy_mib}, args.part_timeout, notes)
+    row["copy_gb_s"] = copy and copy["copy_gb_s"]
+    t = time.perf_counter()
+    w4 = synthetic.ensure_w4a16(size, args.vocab, args.seed, args.cache_dir, quiet=args.json)
+    row["w4a16_write_seconds"] = round(time.perf_counter() - t, 1)
+    row["checkpoint"] = str(w4)
+    r = run_process([sys.executable, "-m", "turbo.cli", "pack", str(w4)], args.part_timeout)
+    row["pack_seconds"] = round(r["seconds"], 1)
+    if r["rc"] != 0:
+        notes.append(f"pack: exit status {r['rc']}: {r['stderr'].strip()[-400:]}")
+    # lite rtn and the calibrated methods on the bf16 weights (a truncated copy when the whole does not fit on disk)
+    layers = args.moe_bf16_layers
+    if layers is None:  # the whole bf16 model when it takes at most half the free disk, else its first 4 layers
+        layers = 0 if 2 * cfg.num_parameters(args.vocab) < shutil.disk_usage(synthetic.cache_root(args.cache_dir)
+                                                                            ).free / 2 else 4
+    layers = layers or None
+    ckpt = synthetic.ensure_checkpoint(size, args.vocab, args.seed, args.cache_dir, quiet=args.json, layers=layers)
+    n_layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    row["bf16_layers_measured"] = n_layers
+    work = Path(tempfile.mkdtemp(prefix=f"scale-{size}-", dir=str(synthetic.cache_root(args.cache_dir))))
+    try:
+        cmd = [sys.executable, "-m", "turbo.cli", "lite", "rtn", str(ckpt), "--w-bits", "4", "--w-group-size", "128",
+               "--work-dir", str(work / "rtn"), "--overwrite", "--no-serving-layout"]
+        r = run_process(cmd, args.part_timeout)
+        if r["rc"] == 0:
+            row.update(rtn_seconds=round(r["seconds"], 2), rtn_peak_gib=round(r["peak_rss"] / GIB, 3),
+                       rtn_seconds_per_layer=round(r["seconds"] / n_layers, 2))
+        else:
+            notes.append(f"rtn: exit status {r['rc']}: {r['stderr'].strip()[-400:]}")
+        shutil.rmtree(work / "rtn", ignore_errors=True)
+        peaks = []
+        for method in CALIBRATED if args.calib_layers else ():
+            c = run_part("calibrated", {**common, "model": str(ckpt), "method": method, "layers": args.calib_layers,
+                                        "work": str(work / method)}, args.part_timeout, notes)
+            key = method.replace("-", "_")
+            if c:
+                c["peak_gib"] = round(c["_peak_rss"] / GIB, 3)
+                peaks.append(c["peak_gib"])
+                row.update({f"{key}_{k}": c[k] for k in CALIBRATED_KEYS})
+                if c.get("experts_without_tokens") is not None:
+                    row["experts_without_tokens"] = max(row["experts_without_tokens"] or 0, c["experts_without_tokens"])
+        row["calibrated_peak_gib"] = max(peaks) if peaks else None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gguf = None
+    if not args.no_peers:
+        reason = synthetic.llama_cpp_missing()
+        if reason:
+            notes.append(reason)
+        else:
+            t = time.perf_counter()
+            gguf = synthetic.ensure_q4_0_direct(size, args.vocab, args.seed, args.cache_dir, quiet=args.json)
+            row.update(llama_cpp_gguf=str(gguf), llama_cpp_gguf_bytes=gguf.stat().st_size,
+                       q4_0_write_seconds=round(time.perf_counter() - t, 1))
+    turbo_spec = {**common, "model": str(w4), "copy_mib": args.copy_mib, "batch8": True}
+    lc_spec = gguf and {**common, "model": str(w4), "gguf": str(gguf), "extra_bufts": not args.llama_cpp_no_extra_bufts}
+    alone = args.alone or _too_big_together(w4, gguf)
+    rounds = {"turbo": [], "llama_cpp": []}
+    for i in range(args.alone_rounds if alone else 1):
+        for name in (("turbo", "llama_cpp") if i % 2 == 0 else ("llama_cpp", "turbo")):
+            if name == "llama_cpp" and not lc_spec:
+                continue
+            out = run_part(name, turbo_spec if name == "turbo" else lc_spec, args.part_timeout, notes)
+            if out:
+                rounds[name].append(out)
+    if rounds["turbo"]:
+        best = max(rounds["turbo"], key=lambda o: o["decode_tok_s"])
+        row.update(decode_tok_s=best["decode_tok_s"], prefill_tok_s=max(o["prefill_tok_s"] for o in rounds["turbo"]),
+                   load_seconds=min(o["load_seconds"] for o in rounds["turbo"]), bytes_per_token=best["bytes_per_token"],
+                   plan_bytes=best["plan_bytes"], peak_rss_bytes=best["peak_rss"], baseline_rss_bytes=best["baseline_rss"],
+                   prompt_tokens=best["prompt_tokens"], decode_rounds=[r for o in rounds["turbo"]
+                                                                       for r in o["decode_rounds"]],
+                   plan_vs_measured_rss=round(best["plan_bytes"] / max(best["peak_rss"] - best["baseline_rss"], 1), 3),
+                   batch8_decode_tok_s=best.get("batch8_decode_tok_s"),
+                   batch8_bytes_per_step=best.get("batch8_bytes_per_step"),
+                   batch8_distinct_experts=best.get("batch8_distinct_experts"))
+        row["copy_gb_s"] = max([row["copy_gb_s"] or 0] + [o["copy_gb_s"] for o in rounds["turbo"]])
+        row["bandwidth_fraction"] = round(row["bytes_per_token"] * row["decode_tok_s"] / (row["copy_gb_s"] * 1e9), 3)
+        if row["batch8_decode_tok_s"]:
+            row["batch8_vs_batch1"] = ratio(row["batch8_decode_tok_s"], row["decode_tok_s"])
+            steps = row["batch8_decode_tok_s"] / 8
+            row["batch8_bandwidth_fraction"] = round(row["batch8_bytes_per_step"] * steps / (row["copy_gb_s"] * 1e9), 3)
+    if rounds["llama_cpp"]:
+        row.update(llama_cpp_decode_tok_s=max(o["decode_tok_s"] for o in rounds["llama_cpp"]),
+                   llama_cpp_prefill_tok_s=max(o["prefill_tok_s"] for o in rounds["llama_cpp"]),
+                   llama_cpp_load_seconds=min(o["load_seconds"] for o in rounds["llama_cpp"]),
+                   llama_cpp_peak_rss_bytes=max(o["_peak_rss"] for o in rounds["llama_cpp"]))
+    if alone and rounds["turbo"] and rounds["llama_cpp"]:
+        # the rounds alternate turbo / llama.cpp (ABBA): each pair of the i-th rounds, their ratio, and the median
+        pairs = [(t["decode_tok_s"], lc["decode_tok_s"]) for t, lc in zip(rounds["turbo"], rounds["llama_cpp"])]
+        ratios = sorted(t / max(lc, 1e-9) for t, lc in pairs)
+        mid = len(ratios) // 2
+        row["decode_vs_llama_cpp_paired"] = round(ratios[mid] if len(ratios) % 2 else
+                                                  (ratios[mid - 1] + ratios[mid]) / 2, 3)
+        row["decode_pairs"] = [{"turbo": t, "llama_cpp": lc} for t, lc in pairs]
+        pre = sorted(t["prefill_tok_s"] / max(lc["prefill_tok_s"], 1e-9)
+                     for t, lc in zip(rounds["turbo"], rounds["llama_cpp"]))
+        row["prefill_rounds"] = [{"turbo": t["prefill_tok_s"], "llama_cpp": lc["prefill_tok_s"]}
+                                 for t, lc in zip(rounds["turbo"], rounds["llama_cpp"])]
+        row["prefill_vs_llama_cpp_paired"] = round(pre[len(pre) // 2] if len(pre) % 2 else
+                                                   (pre[len(pre) // 2 - 1] + pre[len(pre) // 2]) / 2, 3)
+    elif lc_spec and args.decode_pairs and rounds["turbo"] and rounds["llama_cpp"]:
+        row.update(decode_pairs(str(w4), lc_spec, common, args.decode_pairs, args.part_timeout, notes))
+    row["run_alone"] = alone
+    row["decode_vs_llama_cpp"] = ratio(row["decode_tok_s"], row["llama_cpp_decode_tok_s"])
+    row["prefill_vs_llama_cpp"] = ratio(row.get("prefill_tok_s"), row.get("llama_cpp_prefill_tok_s"))
+    row["load_vs_llama_cpp"] = ratio(row["load_seconds"], row["llama_cpp_load_seconds"])
+    return row
+
+
+def _too_big_together(w4: Path, gguf: Path | None) -> bool:
+    """Whether turbo's prepared weights and llama.cpp's GGUF do not fit in this machine's memory at once (with 2 GiB
+    to spare)."""
+    import psutil
+
+    if gguf is None:
+        return False
+    serving = sum(f.stat().st_size for f in Path(w4).rglob("*") if f.is_file() and "serving" in f.parts)
+    ours = serving or (Path(w4) / "model.safetensors").stat().st_size
+    return ours + Path(gguf).stat().st_size + 2 * GIB > psutil.virtual_memory().total
 
 
 def decode_pairs(w4: str, lc_spec: dict, common: dict, pairs: int, timeout: float, notes: list[str]) -> dict:
@@ -306,13 +453,13 @@ def part_copy(spec: dict) -> dict:
 
 
 def decode_bytes_per_token(plan, prompt_tokens: int, new_tokens: int) -> int:
-    """Bytes a batch-1 decode step reads: the decoder linears (backend layout: codes, scales, zeros), the lm_head as
-    the engine runs it (int8 + scales, or the 16-bit embedding table when tied), the norms, and the KV cache of the
-    mean context of the ``new_tokens`` steps after ``prompt_tokens``."""
-    w = plan.weights
-    lm_head = w["lm_head"] or w["embeddings"]
+    """Bytes a batch-1 decode step reads: the weights of :func:`turbo.core.planner.decode_weight_bytes` (the decoder
+    linears in the backend's layout with codes, scales and zeros; of a Mixture-of-Experts model only the ``top_k``
+    selected experts per layer and the routers; the lm_head as the engine runs it, int8 + scales or the 16-bit
+    embedding table when tied; the norms) and the KV cache of the mean context of the ``new_tokens`` steps after
+    ``prompt_tokens``."""
     context = prompt_tokens + (new_tokens - 1) / 2
-    return int(w["decoder linears"] + lm_head + w["norms"] + plan.kv_bytes_per_token * context)
+    return int(sum(plan.decode_weights.values()) + plan.kv_bytes_per_token * context)
 
 
 def part_turbo(spec: dict) -> dict:
@@ -334,7 +481,7 @@ def part_turbo(spec: dict) -> dict:
     model = spec["model"]
     ids, long_ids = _prompts(model, spec["prefill"])
     opts = {"max_kv_tokens": spec["max_kv_tokens"], "max_num_batched_tokens": max(spec["prefill"], 64),
-            "max_batch_size": 1}
+            "max_batch_size": 8 if spec.get("batch8") else 1}  # 8 sessions together: 8 rows of logits planned
     plan, _ = plan_checkpoint(model, device="cpu", **opts)
     base = _rss_kib("VmRSS") * 1024
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on (Linux >= 4.0)
@@ -353,7 +500,8 @@ def part_turbo(spec: dict) -> dict:
         bw = copy_gb_s(spec.get("copy_mib", 1024), repeats=3)
         rounds.append((engine.generate(ids, gen).decode_tokens_per_s, bw))
     bpt = decode_bytes_per_token(plan, len(ids), spec["new_tokens"])
-    return {"load_seconds": round(load, 3), "decode_tok_s": round(max(d for d, _ in rounds), 2),
+    batch8 = _batch8(engine, model, plan, spec) if spec.get("batch8") else {}
+    return {**batch8, "load_seconds": round(load, 3), "decode_tok_s": round(max(d for d, _ in rounds), 2),
             "prefill_tok_s": round(prefill, 1), "prompt_tokens": len(ids), "bytes_per_token": bpt,
             "decode_rounds": [{"decode_tok_s": round(d, 2), "copy_gb_s": round(b, 2),
                                "bandwidth_fraction": round(bpt * d / (b * 1e9), 3)} for d, b in rounds],
@@ -361,6 +509,49 @@ def part_turbo(spec: dict) -> dict:
             "plan_bytes": plan.weights_total + plan.workspace_total + plan.pool_bytes,
             "plan": {"weights": plan.weights, "workspace": plan.workspace, "pool_bytes": plan.pool_bytes, **opts},
             "peak_rss": peak, "baseline_rss": base}
+
+
+def _batch8(engine, model: str, plan, spec: dict) -> dict:
+    """8 sessions decoding together (8 different WikiText-2 prompts of the chat prompt's length, ``new_tokens`` each,
+    prefilled first): the aggregate decode tok/s, and the bytes one of their steps reads, counting each distinct expert
+    the step's 8 rows selected once (the experts' calls are recorded during the run) plus everything else a decode
+    step reads for 8 rows."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from common import text_prompts
+    from turbo import GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = text_prompts(tok, 8, 64)
+    backend = engine.backend
+    real = backend.experts
+    distinct: list[int] = []
+
+    def counting(x, ids, weights, handle):
+        """The backend's experts op, recording how many distinct experts each decode step's call reads."""
+        if ids.shape[0] == 8:
+            distinct.append(int(torch.unique(ids).numel()))
+        return real(x, ids, weights, handle)
+    n = spec["new_tokens"]
+    engine.generate(prompts, GenerationConfig(max_new_tokens=4, ignore_eos=True))  # warm-up of the 8-row shapes
+    backend.experts = counting
+    try:
+        outs = engine.generate(prompts, GenerationConfig(max_new_tokens=n, ignore_eos=True))
+    finally:
+        backend.experts = real
+    seconds = max(o.decode_seconds for o in outs)  # the 8 decode together: the batch's decode span
+    tok_s = 8 * (n - 1) / max(seconds, 1e-9)
+    cfg = engine.model.cfg
+    mean_distinct = sum(distinct) / max(len(distinct), 1)
+    read = plan.decode_weights
+    sparse = sum(cfg.moe.sparse)
+    per_expert = plan.weights["experts"] / (sparse * cfg.moe.num_experts)  # no shared expert in these sizes
+    other = sum(read.values()) - read["experts"]
+    context = 64 + (n - 1) / 2
+    step_bytes = int(other + sparse * mean_distinct * per_expert + 8 * plan.kv_bytes_per_token * context)
+    return {"batch8_decode_tok_s": round(tok_s, 2), "batch8_distinct_experts": round(mean_distinct, 1),
+            "batch8_bytes_per_step": step_bytes}
 
 
 CALIBRATED = ("gptq", "auto-awq")
@@ -613,6 +804,14 @@ def main() -> None:
     ap.add_argument("--llama-cpp-no-extra-bufts", action="store_true",
                     help="load llama.cpp without its extra CPU buffer types (repacked/AMX kernels; see "
                          "bench/contention.py: they segfault on some VMs)")
+    ap.add_argument("--moe-bf16-layers", type=int, default=None,
+                    help="MoE sizes: lite rtn / gptq / auto-awq run on the first N layers of the bf16 checkpoint (same "
+                         "per-layer shapes; default: all layers for olmoe, 4 for qwen3-30b-a3b, whose 61 GB bf16 copy "
+                         "does not fit beside the rest on this disk); 0: all layers")
+    ap.add_argument("--alone", action="store_true",
+                    help="run turbo and llama.cpp one at a time, alternating (automatic when both do not fit in memory)")
+    ap.add_argument("--alone-rounds", type=int, default=3,
+                    help="rounds when run alone: each loads and measures both engines, in alternating order")
     ap.add_argument("--part-timeout", type=float, default=7200, help="seconds before a part is killed")
     ap.add_argument("--cache-dir", default=None, help="synthetic checkpoints (default: $LITETURBO_HOME/synthetic)")
     ap.add_argument("--keep", action="store_true", help="keep the W4A16 checkpoints made by the run")
