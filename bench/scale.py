@@ -602,7 +602,13 @@ def part_calibrated(spec: dict) -> dict:
     n_layers = json.loads((Path(spec["model"]) / "config.json").read_text())["num_hidden_layers"]
     setup = stamps[0] - t0
     mean = sum(per) / len(per)
-    return {"setup_seconds": round(setup, 1), "seconds_per_layer": round(mean, 1), "layer_seconds":
+    # the expert rule's counts (lite.moe) from the finished layers' notes in the stopped run's .partial folder
+    notes = [n for f in sorted(Path(spec["work"] + ".partial").glob("layer_*.json"))
+             for n in json.loads(f.read_text())]
+    without = sum(len(n.get("experts_without_tokens", ())) for n in notes)
+    fallback = sum(len(n.get("experts_rtn_fallback", ())) for n in notes)
+    return {"experts_without_tokens": without, "experts_rtn_fallback": fallback,
+            "setup_seconds": round(setup, 1), "seconds_per_layer": round(mean, 1), "layer_seconds":
             [round(x, 1) for x in per], "layers_measured": len(per), "seconds_extrapolated":
             round(setup + mean * n_layers), "layers": n_layers}
 

@@ -8,6 +8,10 @@ at::Tensor w4a16_tiles_gemv(const at::Tensor& x, const at::Tensor& packed, const
                             const at::Tensor& scales, int64_t group_size);
 at::Tensor w4a16_tiles_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& zeros,
                           const at::Tensor& scales, int64_t group_size);
+bool has_w4_experts();
+at::Tensor w4a16_experts_mm(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& packed,
+                            const at::Tensor& zeros, const at::Tensor& scales, int64_t group_size, bool act,
+                            int64_t max_gemv_rows);
 bool has_w8_gemv();
 at::Tensor w8a16_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
 bool has_w8_tiles();
@@ -32,6 +36,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_tiles_gemv", &w4a16_tiles_gemv,
         "W4A16 for a few rows: bf16 x [M, K] x the same tile-packed weight, codes read in place -> bf16 [M, N]");
   m.def("has_w4_tiles", &has_w4_tiles, "whether w4a16_tiles_mm was compiled in (AVX-512 BF16)");
+  m.def("w4a16_experts_mm", &w4a16_experts_mm,
+        "MoE W4A16: bf16 x [P, K] rows sorted by expert, int32 expert_ids [P] x the experts' stacked tile-packed "
+        "weights [E, N/32, K/4, 64] -> bf16 [P, N], or with act=True (gate and up concatenated, N = 2I) "
+        "silu(gate) * up [P, I]; runs of at most max_gemv_rows rows read the codes in place (moe_cpu.cpp)",
+        py::arg("x"), py::arg("expert_ids"), py::arg("packed"), py::arg("zeros"), py::arg("scales"),
+        py::arg("group_size"), py::arg("act") = false, py::arg("max_gemv_rows") = 5);
+  m.def("has_w4_experts", &has_w4_experts, "whether w4a16_experts_mm was compiled in (AVX-512 BF16)");
   m.def("w8a16_gemv", &w8a16_gemv,
         "weight-only int8 for 1-4 rows: bf16 x [M, K] x int8 q [N, K] * scales [N] -> bf16 [M, N] (w8a16_gemv_cpu.cpp)");
   m.def("has_w8_gemv", &has_w8_gemv, "whether w8a16_gemv was compiled in (AVX-512 F/BW)");
