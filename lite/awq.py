@@ -1,6 +1,6 @@
 """AWQ: activation-aware weight quantization (Lin et al., "AWQ", MLSys 2024).
 
-Per scaling group (a previous op feeding a set of linears; table :data:`lite.formats.arch.SCALING_GROUPS`):
+Per scaling group (a previous op feeding a set of linears; :func:`lite.formats.arch.layer_scaling_groups`):
 
     s* = argmin_s || f(Q(W · diag(s)) · diag(s)⁻¹ X) − f(W X) ||²,   s = s_x^α / s_w^(1−α)   (Sec. 3.2)
 
@@ -36,13 +36,18 @@ def activation_scale(xs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def weight_scale(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
-    """Mean over output rows of |w| normalised by its group max, per input channel; float32 ``[in]``."""
-    w = torch.cat([x.float() for x in weights], 0)
-    out_f, in_f = w.shape
+    """Mean over output rows of |w| normalised by its group max, per input channel; float32 ``[in]``. The rows of
+    all ``weights`` (same ``in``) are normalised one weight at a time into one float32 buffer, so a group of many
+    linears (every expert of a sparse layer) costs one float32 copy of them, not three."""
+    in_f = weights[0].shape[1]
     gs = in_f if group_size == -1 else group_size
-    g = w.abs().view(out_f, in_f // gs, gs)
-    g = g / (g.amax(-1, keepdim=True) + 1e-6)
-    return g.view(out_f, in_f).mean(0)
+    out = torch.empty(sum(w.shape[0] for w in weights), in_f, device=weights[0].device)
+    r = 0
+    for x in weights:
+        g = x.float().abs().view(x.shape[0], in_f // gs, gs)
+        out[r:r + x.shape[0]] = (g / (g.amax(-1, keepdim=True) + 1e-6)).view(x.shape[0], in_f)
+        r += x.shape[0]
+    return out.mean(0)
 
 
 def search_scales(weights: list[torch.Tensor], x_mean: torch.Tensor, w_mean: torch.Tensor,
@@ -70,6 +75,7 @@ def search_scales(weights: list[torch.Tensor], x_mean: torch.Tensor, w_mean: tor
         ws = [fake_quantize(w.float() * s, bits, group_size, sym) / s for w in weights]
         out = forward(ws)
         loss = float((out.float() - reference.float()).pow(2).mean())
+        del ws, out  # before the next candidates exist: one set of candidate weights alive at a time
         if loss < best[2]:
             best = (s, alpha, loss)
     if best[1] < 0:

@@ -27,9 +27,9 @@ candidates, so the calibrated choice is never worse than online on the calibrati
 
 :func:`calibrate_kv` runs the calibration text through the model layer by layer (:mod:`lite.layerwise`, the run
 kit of the weight pipeline: a meta-device skeleton, one layer materialized at a time, 16-bit or W4A16 sources,
-resumable per layer) and writes a complete checkpoint: the source's files hard-linked (copied across file
-systems), ``config.json`` with the ``liteturbo_kv_cache`` entry, the parameter file, and provenance in
-``liteturbo_kv_calibration.json``.
+Mixture-of-Experts models through the same per-expert block as the weight methods, resumable per layer) and writes a
+complete checkpoint: the source's files hard-linked (copied across file systems), ``config.json`` with the
+``liteturbo_kv_cache`` entry, the parameter file, and provenance in ``liteturbo_kv_calibration.json``.
 """
 from __future__ import annotations
 
@@ -212,18 +212,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def layer_qkv(layer, hidden: torch.Tensor, kw: dict, qk_norm: bool) -> tuple[torch.Tensor, ...]:
+def layer_qkv(layer, hidden: torch.Tensor, kw: dict, qk_norm: bool,
+              qk_norm_per_head: bool = True) -> tuple[torch.Tensor, ...]:
     """Post-rotary q ``[T, H, D]``, k ``[T, KVH, D]`` and v of one sample at one HF decoder layer, as the engine
-    computes them (input norm, projections, Qwen3's per-head q/k norm, rotate-half RoPE with the layer's
-    ``position_embeddings``)."""
+    computes them (input norm, projections, the q/k norm: per head as Qwen3's, or with ``qk_norm_per_head=False``
+    over all heads together as OLMoE's, rotate-half RoPE with the layer's ``position_embeddings``)."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
     b, t, _ = x.shape
     hd = attn.head_dim
-    q = attn.q_proj(x).view(b, t, -1, hd)
-    k = attn.k_proj(x).view(b, t, -1, hd)
-    v = attn.v_proj(x).view(b, t, -1, hd)
-    if qk_norm:
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    if qk_norm and not qk_norm_per_head:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.view(b, t, -1, hd), k.view(b, t, -1, hd), v.view(b, t, -1, hd)
+    if qk_norm and qk_norm_per_head:
         q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = kw["position_embeddings"]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
@@ -284,7 +286,7 @@ def calibrate_kv(model: str | None, cfg: KVCalibConfig, work_dir: str, overwrite
             keys, windows = [], []
             with torch.no_grad():
                 for j, (h, kw) in enumerate(zip(inps, kws)):
-                    q, k, v = layer_qkv(layer, h, kw, spec.qk_norm)
+                    q, k, v = layer_qkv(layer, h, kw, spec.qk_norm, spec.qk_norm_per_head)
                     keys.append(k.cpu())
                     if j < cfg.search_windows:
                         windows.append((q, k, v))

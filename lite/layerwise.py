@@ -2,7 +2,8 @@
 (:mod:`lite.kv_calibration`).
 
 - :class:`LazyCheckpoint`: a meta-device Hugging Face model whose tensors are read from safetensors one layer at a
-  time (16-bit or W4A16 sources); it captures the inputs of decoder layer 0.
+  time (16-bit or W4A16 sources); it captures the inputs of decoder layer 0. In a Mixture-of-Experts model each
+  sparse layer's block is :class:`lite.moe.SparseMoeBlock` (per-expert linears under the checkpoint's names).
 - :func:`run_layer`: one decoder layer's float32 outputs for every calibration sample (the next layer's inputs).
 - :func:`open_partial` and :func:`run_fingerprint`: the ``<work_dir>.partial`` folder that keeps finished layers,
   reused by ``--resume`` only when the options and the source weights are the same.
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .formats import LiteturboError, load_config, load_quantized_linears, make_dirs, quantization_spec, write_json
+from .formats.arch import moe_config
 from .formats.checkpoint import config_mismatch, weight_files
 from .methods import LayerBatch, StopForward
 
@@ -87,7 +89,9 @@ class LazyCheckpoint:
     """A meta-device HF model whose tensors are read from safetensors on demand (accelerate).
 
     A W4A16 source (any format :mod:`lite.formats.quantized` reads) is accepted: its decoder linears are
-    dequantized to float32 when their layer is materialized (used by ``calibrate-kv``)."""
+    dequantized to float32 when their layer is materialized (used by ``calibrate-kv``). ``config`` is config.json;
+    ``moe`` its :class:`~lite.formats.arch.MoEConfig` (``None`` for a dense model), whose sparse layers hold a
+    :class:`lite.moe.SparseMoeBlock` instead of transformers' fused experts."""
 
     def __init__(self, path: Path, device: torch.device) -> None:
         from accelerate import init_empty_weights
@@ -95,7 +99,9 @@ class LazyCheckpoint:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.path, self.device = path, device
-        self.qspec = quantization_spec(load_config(path))
+        self.config = load_config(path)
+        self.qspec = quantization_spec(self.config)
+        self.moe = moe_config(self.config)
         try:
             cfg = AutoConfig.from_pretrained(str(path))
             if self.qspec is not None:  # built as the 16-bit model; weights come dequantized
@@ -105,6 +111,10 @@ class LazyCheckpoint:
                 self.model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         except Exception as e:  # transformers raises many types for malformed configs
             raise LiteturboError(f"transformers cannot build the model from {path / 'config.json'}: {e}") from e
+        if self.moe is not None:
+            from .moe import install_sparse_blocks
+
+            install_sparse_blocks(self.model, self.config, self.moe)
         self.model.eval()
         # where each tensor lies, and its shape and safetensors dtype, read from the headers only: a tensor's bytes
         # are read when its layer is materialized, through a mapping that is closed right after (mapped pages of
@@ -121,6 +131,7 @@ class LazyCheckpoint:
             except Exception as e:  # SafetensorError, OSError
                 raise LiteturboError(f"cannot read {f}: {e}; the file is damaged or not safetensors") from e
         self.layers = self.model.model.layers
+        self._module_keys: dict[str, list[str]] | None = None  # module path -> its tensor names (W4A16 sources)
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor of the source checkpoint (CPU, stored dtype), read through a mapping closed at once."""
@@ -167,7 +178,11 @@ class LazyCheckpoint:
 
     def _dequantized(self, prefix: str) -> torch.Tensor:
         """float32 ``[out, in]`` weight of the quantized linear ``prefix``."""
-        tensors = {k: self.tensor(k) for k in self.where if k.startswith(prefix + ".") and k != f"{prefix}.bias"}
+        if self._module_keys is None:  # one pass over the names, not one per linear (a MoE has thousands)
+            self._module_keys = {}
+            for k in self.where:
+                self._module_keys.setdefault(k.rsplit(".", 1)[0], []).append(k)
+        tensors = {k: self.tensor(k) for k in self._module_keys.get(prefix, ()) if k != f"{prefix}.bias"}
         qws = load_quantized_linears(tensors, self.qspec)
         if prefix not in qws:
             raise LiteturboError(f"checkpoint {self.path} lacks tensor {prefix + '.weight'!r} (nor its quantized form)")

@@ -16,6 +16,13 @@
 ``resume=True`` reuses the finished layer files of an interrupted run with the same options; the finished
 layers are only re-run forward (from their saved tensors), so the result is identical to an uninterrupted run.
 
+Mixture-of-Experts models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral) run the same way: each sparse layer is its
+per-expert block (:mod:`lite.moe`), its experts are quantized under their checkpoint names, the routers and
+shared-expert gates stay 16-bit (named in the format's exclusion field, :func:`lite.formats.arch.unquantized_modules`),
+and the experts that took the expert rule are counted in the final line and in ``liteturbo_quantize.json``
+(``experts_without_tokens``, ``experts_rtn_fallback``, ``expert_token_threshold``, ``experts_total``).
+``--e2e-steps`` is refused for them.
+
 The options are :class:`lite.options.PipelineConfig` (re-exported here). The run kit (the lazy checkpoint, the
 ``.partial`` folder, the layer runner) is :mod:`lite.layerwise`, shared with :mod:`lite.kv_calibration`.
 :func:`quantize_checkpoint` (with :class:`QuantConfig`) is the RTN shorthand.
@@ -40,8 +47,9 @@ from tqdm import tqdm
 from backends.types import QuantizedWeight
 
 from .calibration import calibration_samples, check_calib_seqlen
-from .formats import (DECODER_LINEARS, LiteturboError, arch_spec, atomic_output_dir, check_output_dir,
+from .formats import (LiteturboError, arch_spec, atomic_output_dir, check_output_dir,
                       copy_tokenizer_files, load_config, resolve_model, write_json)
+from .formats.arch import layer_linears, moe_config, unquantized_modules
 from .formats.writing import SAFETENSORS_DTYPES, write_safetensors_streamed
 from .formats.registry import WEIGHT_FORMATS, weight_format
 from .layerwise import LazyCheckpoint, open_partial, peak_memory_gib
@@ -112,17 +120,19 @@ def _layer_tensors(layer, idx: int, qws: dict[str, QuantizedWeight], cfg: Pipeli
 
 
 def _load_layer_tensors(layer, idx: int, tensors: dict[str, torch.Tensor], cfg: PipelineConfig,
-                        linear_dtype: torch.dtype = torch.float32) -> None:
+                        linear_dtype: torch.dtype, linears) -> None:
     """Put a finished layer's saved tensors back into ``layer`` (dequantized weights in ``linear_dtype``: the
-    compute dtype, to which autocast casts them anyway; norms and biases in float32)."""
+    compute dtype, to which autocast casts them anyway; norms, biases and 16-bit routers in float32). ``linears``: the
+    layer's quantized linears (:func:`lite.formats.arch.layer_linears`)."""
     p = f"model.layers.{idx}"
+    linears = set(linears)
     dev = next(iter(layer.parameters())).device
     for n, param in layer.named_parameters():
         key = f"{p}.{n}"
         mod = n.rsplit(".", 1)[0]
         if key in tensors:
             param.data = tensors[key].to(dev, torch.float32)
-        elif n.endswith(".weight") and mod in DECODER_LINEARS:
+        elif n.endswith(".weight") and mod in linears:
             fmt, pre = weight_format(cfg.out_format), f"{p}.{mod}."
             parts = {k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)}
             qw = fmt.unpack(parts, cfg.w_bits, cfg.w_group_size, bool(cfg.w_sym))
@@ -145,8 +155,12 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     src = resolve_model(model)
     config = load_config(src)
     arch_spec(config)
+    moe = moe_config(config)
     if config.get("quantization_config"):
         raise LiteturboError(f"{src} is already quantized; start from a 16/32-bit checkpoint")
+    if moe is not None and cfg.e2e_steps:
+        raise LiteturboError("--e2e-steps is not supported for Mixture-of-Experts models yet (it runs the whole "
+                             "transformers model, whose experts are fused); drop --e2e-steps")
     out = check_output_dir(Path(work_dir), overwrite, source=src)
     device = cfg.torch_device()
     if cfg.choices:
@@ -157,7 +171,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     n_layers = len(lazy.layers)
     shapes = {}
     for i in range(n_layers):
-        for n in DECODER_LINEARS:
+        for n in layer_linears(config, i):
             k = f"model.layers.{i}.{n}.weight"
             if k in lazy.where:
                 shapes[k] = lazy.shapes[k]
@@ -165,10 +179,10 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     check_group_size({k: _Shape(v) for k, v in shapes.items()}, names, cfg.w_group_size)
     dtypes = {k: _dtype(v) for k, v in lazy.dtype_names.items()}
     fmt = weight_format(cfg.out_format)
-    method = METHODS[cfg.method](cfg, config["model_type"], fmt.min_zero(bool(cfg.w_sym)))
+    method = METHODS[cfg.method](cfg, config, fmt.min_zero(bool(cfg.w_sym)))
     rotation = None
     if cfg.rotate:
-        rotation = ResidualRotation(int(config["hidden_size"]), config["model_type"], cfg.seed)
+        rotation = ResidualRotation(int(config["hidden_size"]), config, cfg.seed)
     cdtype = compute_dtype(cfg.compute_dtype, device)
     if cfg.e2e_steps:  # the end-to-end stage holds the whole float model: refuse now rather than after the layers
         check_e2e_fits(config, cfg.method, cfg.calib_samples, cfg.calib_seqlen, cfg.e2e_steps, device,
@@ -184,7 +198,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
     old_term = _exit_on_sigterm()
     try:
         n_tok, reused, notes = _quantize_layers(lazy, method, samples, cdtype, partial, dtypes, stop_after_layers,
-                                                rotation)
+                                                rotation, config)
     except BaseException:
         if not any(partial.glob("layer_*.safetensors")):  # nothing worth resuming: leave nothing behind
             shutil.rmtree(partial, ignore_errors=True)
@@ -193,6 +207,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
 
+    experts = _expert_counts(moe, cfg, n_tok, notes)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         outside = {}  # the tensors outside the decoder layers that the run changed (a rotation folds into them)
         if rotation is not None:
@@ -220,7 +235,7 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
                       metadata={"format": "pt"})
         else:  # streamed tensor by tensor: memory stays about one tensor, whatever the model size
             _write_streamed(tmp / "model.safetensors", lazy, outside, layer_files)
-        qc = fmt.config(cfg.format_options())
+        qc = fmt.config(dataclasses.replace(cfg.format_options(), unquantized=unquantized_modules(config)))
         write_json(tmp / "config.json", dict(config, quantization_config=qc))
         for name, content in fmt.extra_files(qc).items():
             write_json(tmp / name, content)
@@ -232,21 +247,51 @@ def quantize_model(model: str | None, cfg: PipelineConfig, work_dir: str, overwr
             "compute_dtype": str(cdtype).replace("torch.", ""), "wall_seconds": round(wall, 1),
             "peak_memory_gib": round(peak_memory_gib(device), 2), "reused_layers": reused,
             "tune_seconds": round(method.tune_seconds, 1), "e2e": e2e, "torch_threads": torch.get_num_threads(),
-            "notes": notes})
+            **experts, "notes": notes})
     shutil.rmtree(partial, ignore_errors=True)
     print(f"[liteturbo] {cfg.method}: wrote {out} ({cfg.out_format} format, {'symmetric' if cfg.w_sym else 'zero point'}"
           f") in {wall:.1f} s, peak memory {peak_memory_gib(device):.2f} GiB ({device.type})"
+          + _experts_summary(experts)
           + (f"; {len(notes)} notes in liteturbo_quantize.json" if notes else ""), file=sys.stderr)
     return out
 
 
+def _expert_counts(moe, cfg: PipelineConfig, n_tok: int, notes: list[dict]) -> dict:
+    """The provenance fields of the expert rule (:mod:`lite.moe`) for a MoE run, from the layers' notes: how many
+    experts had no routed calibration token (``experts_without_tokens``) and how many were rounded to nearest for
+    having fewer than ``expert_token_threshold`` (``experts_rtn_fallback``, those without tokens included), of
+    ``experts_total``; ``None`` counts for ``rtn``, which reads no calibration tokens. Empty for a dense model."""
+    if moe is None:
+        return {}
+    from .moe import expert_token_threshold
+
+    total = moe.num_experts * sum(moe.sparse)
+    if cfg.method == "rtn":
+        return {"experts_total": total, "experts_without_tokens": None, "experts_rtn_fallback": None,
+                "expert_token_threshold": None}
+    return {"experts_total": total,
+            "experts_without_tokens": sum(len(n.get("experts_without_tokens", ())) for n in notes),
+            "experts_rtn_fallback": sum(len(n.get("experts_rtn_fallback", ())) for n in notes),
+            "expert_token_threshold": expert_token_threshold(n_tok, moe)}
+
+
+def _experts_summary(experts: dict) -> str:
+    """The final line's part about the expert rule ("" for a dense model or an RTN run)."""
+    if not experts or experts["experts_rtn_fallback"] is None:
+        return ""
+    return (f"; {experts['experts_rtn_fallback']} of {experts['experts_total']} experts rounded to nearest (fewer than "
+            f"{experts['expert_token_threshold']} routed calibration tokens; {experts['experts_without_tokens']} "
+            f"with none)")
+
+
 def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype, partial: Path,
                      dtypes: dict[str, torch.dtype], stop_after_layers: int | None,
-                     rotation=None) -> tuple[int, int, list[dict]]:
+                     rotation=None, config: dict | None = None) -> tuple[int, int, list[dict]]:
     """The layer loop: quantize each decoder layer with ``method`` (or reuse its file in ``partial``), write it,
     put the dequantized weights back and run the layer for the next one's inputs; with a ``rotation``
-    (:class:`lite.rotation.ResidualRotation`) each layer is rotated first and so are layer 0's inputs. Returns
-    (calibration tokens, reused layers, notes of every layer)."""
+    (:class:`lite.rotation.ResidualRotation`) each layer is rotated first and so are layer 0's inputs. ``config``:
+    config.json (which linears each layer quantizes; default: the lazy checkpoint's). Returns (calibration tokens,
+    reused layers, notes of every layer). The progress bar shows the peak memory and the last layer's seconds."""
     from safetensors.torch import load_file, save_file
 
     cfg = method.cfg
@@ -266,12 +311,14 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
     if cfg.tune_steps > 0 and batch.inputs:
         n_ref = batch.loss_samples(cfg.loss_tokens)
         reference = LayerBatch([x.clone() for x in batch.inputs[:n_ref]], kws[:n_ref], cdtype)
+    config = lazy.config if config is None else config
     for i in bar:
+        t_layer = time.perf_counter()
         layer = lazy.layers[i]
         # RTN without a rotation only reads each weight (as float32, one at a time): keep the layer as stored
         lazy.materialize(layer, f"model.layers.{i}", float32=method.calibrated or rotation is not None)
         if rotation is not None:
-            rotation.fold_layer(layer)
+            rotation.fold_layer(layer, i)
         if reference is not None:
             batch.targets = reference.run(layer)  # the float layer on the float trajectory
         f = partial / f"layer_{i:04d}.safetensors"
@@ -293,13 +340,13 @@ def _quantize_layers(lazy: LazyCheckpoint, method, samples, cdtype: torch.dtype,
             save_file(tensors, str(tmp))
             os.replace(tmp, f)
         if method.calibrated:  # the next layer's inputs come from this one, quantized (RTN reads no inputs)
-            _load_layer_tensors(layer, i, tensors, cfg, batch.dtype)
+            _load_layer_tensors(layer, i, tensors, cfg, batch.dtype, layer_linears(config, i))
         if reference is not None:
             reference.inputs, batch.targets = batch.targets, None
         if i + 1 < n_layers and method.calibrated:
             batch.inputs = batch.run(layer)
         lazy.release(layer)
-        post = {"peak_gib": f"{peak_memory_gib(lazy.device):.2f}"}
+        post = {"peak_gib": f"{peak_memory_gib(lazy.device):.2f}", "layer_s": f"{time.perf_counter() - t_layer:.1f}"}
         if getattr(method, "tune_losses", None):
             post["tune"] = "{:.2e}->{:.2e}".format(*method.tune_losses)
         bar.set_postfix(**post)

@@ -13,13 +13,15 @@ RMSNorm(x) Q``, so rotating every residual vector by ``Q`` leaves the function u
 Outlier channels of the residual are spread over all channels, so group-wise 4-bit rounding of the weights that read
 it loses less. ``Q`` is a randomized Hadamard matrix when ``H`` is a power of two (QuaRot), else a Haar-random
 orthogonal matrix (QR of a Gaussian, signs fixed), from ``seed``. Tables of which modules read and write the
-residual: :data:`lite.formats.arch.RESIDUAL_READERS` / ``RESIDUAL_WRITERS``.
+residual: :func:`lite.formats.arch.layer_residual` (a dense layer's :data:`~lite.formats.arch.RESIDUAL_READERS` /
+``RESIDUAL_WRITERS``; in a sparse Mixture-of-Experts layer every expert, the shared expert, the router and the
+shared-expert gate read the post-attention norm, so the 16-bit routers are rotated too and routing is unchanged).
 """
 from __future__ import annotations
 
 import torch
 
-from .formats.arch import RESIDUAL_READERS, RESIDUAL_WRITERS
+from .formats.arch import layer_residual
 
 
 def random_rotation(n: int, seed: int = 0) -> torch.Tensor:
@@ -39,20 +41,23 @@ def random_rotation(n: int, seed: int = 0) -> torch.Tensor:
 
 class ResidualRotation:
     """Folds a residual rotation into a model layer by layer (see the module docstring). ``hidden``: H;
-    ``model_type``: the family (tables of :mod:`lite.formats.arch`)."""
+    ``model_type``: the config.json dict (or a dense family's ``model_type``) whose tables
+    (:func:`lite.formats.arch.layer_residual`) say which linears read and write the residual."""
 
-    def __init__(self, hidden: int, model_type: str, seed: int = 0) -> None:
+    def __init__(self, hidden: int, model_type: str | dict, seed: int = 0) -> None:
         self.Q = random_rotation(hidden, seed)
-        self.model_type = model_type
+        self.arch = dict(model_type) if isinstance(model_type, dict) else {"model_type": model_type}
+        self.model_type = self.arch["model_type"]
 
     def rotate_inputs(self, h: torch.Tensor) -> torch.Tensor:
         """Residual vectors ``[..., H]`` (e.g. the captured inputs of layer 0) → ``h Q``, same dtype."""
         return (h.double() @ self.Q.to(h.device)).to(h.dtype)
 
     @torch.no_grad()
-    def fold_layer(self, layer: torch.nn.Module) -> None:
-        """Fold the norm weights into the linears they feed and rotate one decoder layer in place."""
-        for norm_name, readers in RESIDUAL_READERS[self.model_type]:
+    def fold_layer(self, layer: torch.nn.Module, index: int = 0) -> None:
+        """Fold the norm weights into the linears they feed and rotate decoder layer ``index`` (``layer``) in place."""
+        readers_of, writers = layer_residual(self.arch, index)
+        for norm_name, readers in readers_of:
             norm = layer.get_submodule(norm_name)
             gamma = norm.weight.data.double()
             for n in readers:
@@ -60,7 +65,7 @@ class ResidualRotation:
                 Q = self.Q.to(lin.weight.device)
                 lin.weight.data = ((lin.weight.data.double() * gamma) @ Q).to(lin.weight.dtype)
             norm.weight.data = torch.ones_like(norm.weight.data)
-        for n in RESIDUAL_WRITERS[self.model_type]:
+        for n in writers:
             lin = layer.get_submodule(n)
             Q = self.Q.to(lin.weight.device)
             lin.weight.data = (Q.t() @ lin.weight.data.double()).to(lin.weight.dtype)

@@ -4,8 +4,9 @@ Both ``lite`` (what to quantize) and ``turbo`` (how to build the model) read the
 branches on ``model_type``. Dense families (Llama, Mistral, Qwen2, Qwen3) share one set of tables; Mixture-of-Experts
 families (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral) add a :class:`MoESpec` (where the sparse block lives, how its router
 normalises, the shared expert, which layers are sparse), resolved per config into :class:`MoEConfig`, and the per-layer
-functions (:func:`layer_linears`, :func:`layer_scaling_groups`, :func:`layer_sequential`, :func:`input_heads`) give
-every layer's linears, AWQ groups and GPTQ order with one entry per expert.
+functions (:func:`layer_linears`, :func:`layer_scaling_groups`, :func:`layer_sequential`, :func:`input_heads`,
+:func:`layer_residual`) give every layer's linears, AWQ groups, GPTQ order and residual readers/writers with one entry
+per expert; :func:`unquantized_modules` names the 16-bit routers a quantized checkpoint keeps.
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ class MoESpec:
     token, scaled by ``sigmoid({block}.shared_expert_gate(x))`` (Qwen2-MoE).
     sparse_step: which layers are sparse follows ``decoder_sparse_step`` and ``mlp_only_layers`` (the others keep
     a dense ``mlp`` of ``intermediate_size``); else every layer is sparse.
+    fp32_weights: the routing weights multiply the experts' outputs in float32 (transformers' Mixtral); else they are
+    cast to the router logits' dtype first (Qwen-MoE, OLMoE). Only the 16-bit forward of :mod:`lite.moe` tells them
+    apart.
     Routing (all families): ``softmax(router(x))`` in float32, the ``top_k`` largest, renormalised if ``norm_topk``.
     """
 
@@ -68,6 +72,7 @@ class MoESpec:
     norm_topk: bool | str = "norm_topk_prob"
     shared_expert: bool = False
     sparse_step: bool = False
+    fp32_weights: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -81,7 +86,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "olmoe": ArchSpec(qk_norm=True, qk_norm_per_head=False, mlp_bias=False, moe=MoESpec(intermediate="intermediate_size")),
     "mixtral": ArchSpec(mlp_bias=False, moe=MoESpec(block="block_sparse_moe", projections=("w1", "w3", "w2"),
                                                     num_experts="num_local_experts", intermediate="intermediate_size",
-                                                    norm_topk=True)),
+                                                    norm_topk=True, fp32_weights=True)),
 }
 
 
@@ -104,12 +109,18 @@ class ScalingGroup:
     """One AWQ scaling group: ``prev`` (a norm or linear inside the decoder layer) feeds ``linears``;
     ``inspect`` is the module whose output error scores a candidate scale (``""`` = the linears themselves).
     ``needs_same_width``: only when ``prev``'s output width equals the linears' input width (v → o without GQA).
+    ``inp``: the module whose input statistics (mean |x|, loss tokens) the search reads (``""``: the first linear's);
+    a sparse block's, whose experts each see only their routed tokens. ``passengers``: linears that read ``prev``'s
+    output too but are never quantized (a router, the shared-expert gate): they are scaled with the group (their
+    16-bit weights times ``s``) so that folding ``1/s`` into ``prev`` leaves the model unchanged.
     """
 
     prev: str
     linears: tuple[str, ...]
     inspect: str
     needs_same_width: bool = False
+    inp: str = ""
+    passengers: tuple[str, ...] = ()
 
 
 # Llama/Mistral/Qwen2/Qwen3 share these (AutoAWQ's per-model ``get_layers_for_scaling``, as data).
@@ -253,9 +264,11 @@ def layer_scaling_groups(config: dict, layer: int) -> tuple[ScalingGroup, ...]:
     triples = _mlp_triples(config, layer)
     if triples == [DENSE_MLP]:
         return LLAMA_SCALING_GROUPS
-    block = moe_config(config).spec.block
+    moe = moe_config(config)
+    block = moe.spec.block
     return LLAMA_SCALING_GROUPS[:2] + (
-        ScalingGroup("post_attention_layernorm", tuple(n for g, u, _ in triples for n in (g, u)), block),
+        ScalingGroup("post_attention_layernorm", tuple(n for g, u, _ in triples for n in (g, u)), block, inp=block,
+                     passengers=moe.unquantized(layer)),
     ) + tuple(ScalingGroup(u, (d,), d) for _, u, d in triples)
 
 
@@ -269,3 +282,26 @@ def layer_sequential(config: dict, layer: int) -> tuple[tuple[str, ...], ...]:
 def layer_no_clip(config: dict, layer: int) -> tuple[str, ...]:
     """Linears whose clipping AWQ skips (q and k)."""
     return LLAMA_NO_CLIP
+
+
+def unquantized_modules(config: dict) -> tuple[str, ...]:
+    """Full module paths (``model.layers.{i}.mlp.gate``, ...) of every linear that stays 16-bit in a quantized
+    checkpoint of this model: the routers and shared-expert gates of the sparse layers; empty for dense families."""
+    moe = moe_config(config)
+    if moe is None:
+        return ()
+    return tuple(f"model.layers.{i}.{n}" for i in range(len(moe.sparse)) for n in moe.unquantized(i))
+
+
+def layer_residual(config: dict, layer: int) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], tuple[str, ...]]:
+    """The residual stream of decoder layer ``layer`` as data (:data:`RESIDUAL_READERS` / :data:`RESIDUAL_WRITERS` of
+    a dense layer): ``((norm, linears it feeds), ...)`` and the linears that write back. A sparse layer's
+    post-attention norm feeds every expert's gate/up, the shared expert's, the router and the shared-expert gate;
+    every expert's down (and the shared one) writes."""
+    mt = config["model_type"]
+    triples = _mlp_triples(config, layer)
+    if triples == [DENSE_MLP]:
+        return RESIDUAL_READERS[mt], RESIDUAL_WRITERS[mt]
+    readers = tuple(n for g, u, _ in triples for n in (g, u)) + moe_config(config).unquantized(layer)
+    return ((RESIDUAL_READERS[mt][0], ("post_attention_layernorm", readers)),
+            ("self_attn.o_proj",) + tuple(d for _, _, d in triples))

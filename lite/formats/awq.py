@@ -10,7 +10,10 @@ For a linear with ``in_features = K`` and ``out_features = N``, 4 bits, group si
 - dequantization ``W.T[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n]``.
 
 ``config.json`` carries ``quantization_config = {quant_method: "awq", version: "gemm", bits, group_size,
-zero_point}``.
+zero_point}``, and for a Mixture-of-Experts model ``modules_to_not_convert``: the full paths of the 16-bit routers
+and shared-expert gates (``model.layers.0.mlp.gate``, ...). Full paths, because readers match these entries
+differently: AutoAWQ and vLLM as substrings (a bare ``"gate"``, AutoAWQ's own Mixtral entry, would also exclude
+every ``gate_proj``/``gate_up_proj`` of Qwen-MoE), transformers from the start or as a suffix.
 """
 from __future__ import annotations
 
@@ -97,7 +100,10 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
                            scales=scales, bias=bias)
 
 
-def awq_quantization_config(bits: int, group_size: int, zero_point: bool) -> dict:
-    """The ``quantization_config`` block AutoAWQ/transformers/vLLM expect for AWQ GEMM."""
-    return {"quant_method": "awq", "version": "gemm", "bits": bits, "group_size": group_size,
-            "zero_point": zero_point}
+def awq_quantization_config(bits: int, group_size: int, zero_point: bool, unquantized: tuple[str, ...] = ()) -> dict:
+    """The ``quantization_config`` block AutoAWQ/transformers/vLLM expect for AWQ GEMM; ``unquantized`` (full module
+    paths of 16-bit linears, e.g. MoE routers) becomes ``modules_to_not_convert`` when not empty."""
+    qc = {"quant_method": "awq", "version": "gemm", "bits": bits, "group_size": group_size, "zero_point": zero_point}
+    if unquantized:
+        qc["modules_to_not_convert"] = list(unquantized)
+    return qc

@@ -9,8 +9,14 @@ Per linear (``N`` out, ``K`` in, group size ``g``), stored codes are the *signed
   packed along the output dim. Symmetric schemes store none (zero point 0 = canonical 8).
 - ``weight_g_idx`` int32 ``[K]`` (optional, act-order).
 - dequantization ``W[n, k] = (q - zp) * scale`` in signed terms = canonical ``(u - z) * s``.
+
+``quantization_config.ignore`` names the linears left 16-bit: ``lm_head``, and in a Mixture-of-Experts model the
+routers and shared-expert gates as regexes on their names within a layer (``re:.*\\.mlp\\.gate$``, as llm-compressor's
+MoE recipes write them; compressed-tensors and vLLM match ``re:`` entries with ``re.match``).
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -62,8 +68,13 @@ def unpack_compressed(tensors: dict[str, torch.Tensor], bits: int, group_size: i
                            bias=bias)
 
 
-def compressed_quantization_config(bits: int, group_size: int, sym: bool, actorder: str | None) -> dict:
-    """The ``quantization_config`` block of a W4A16 ``pack-quantized`` checkpoint."""
+def compressed_quantization_config(bits: int, group_size: int, sym: bool, actorder: str | None,
+                                   unquantized: tuple[str, ...] = ()) -> dict:
+    """The ``quantization_config`` block of a W4A16 ``pack-quantized`` checkpoint. ``unquantized``: full module paths
+    of other 16-bit linears (``model.layers.{i}.mlp.gate``, ...), listed in ``ignore`` as one regex per name within
+    a layer (``re:.*\\.mlp\\.gate$``)."""
+    names = dict.fromkeys(m.split(".", 3)[3] if m.startswith("model.layers.") else m for m in unquantized)
+    ignore = ["lm_head"] + [r"re:.*\." + re.escape(n) + "$" for n in names]
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -76,6 +87,6 @@ def compressed_quantization_config(bits: int, group_size: int, sym: bool, actord
                         "actorder": actorder, "observer": "minmax"},
             "input_activations": None, "output_activations": None,
         }},
-        "ignore": ["lm_head"],
+        "ignore": ignore,
         "kv_cache_scheme": None,
     }

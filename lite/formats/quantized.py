@@ -1,7 +1,10 @@
 """Reading quantized linears out of a checkpoint's tensors, whatever format wrote them.
 
 Supported ``quantization_config``s: AWQ GEMM (``quant_method: awq``), GPTQ v1/v2 (``quant_method: gptq``,
-honouring ``checkpoint_format``), compressed-tensors ``pack-quantized`` W4A16 (group or channel strategy).
+honouring ``checkpoint_format``), compressed-tensors ``pack-quantized`` W4A16 (group or channel strategy). Linears are
+found by their packed tensor whatever their path, so a Mixture-of-Experts checkpoint's per-expert linears
+(``model.layers.0.mlp.experts.5.up_proj``) load like any other, and its 16-bit routers (a plain ``.weight``) are not
+among them.
 """
 from __future__ import annotations
 

@@ -29,7 +29,9 @@ from .gptq import gptq_quantization_config, pack_gptq, unpack_gptq
 @dataclass(frozen=True)
 class FormatOptions:
     """What a format's ``quantization_config`` records about a run: bits, group size (-1 = per channel),
-    symmetry, act-order (``g_idx``), static groups, GPTQ dampening and true-sequential order."""
+    symmetry, act-order (``g_idx``), static groups, GPTQ dampening and true-sequential order, and ``unquantized``:
+    the full module paths of the decoder linears kept 16-bit (a MoE's routers and shared-expert gates,
+    :func:`lite.formats.arch.unquantized_modules`), which the formats that list exclusions name."""
 
     bits: int
     group_size: int
@@ -38,6 +40,7 @@ class FormatOptions:
     static_groups: bool = False
     damp_percent: float = 0.01
     true_sequential: bool = True
+    unquantized: tuple[str, ...] = ()
 
 
 class WeightFormat:
@@ -97,7 +100,7 @@ class AwqGemmFormat(WeightFormat):
 
     def config(self, opts):
         """``config.json``'s ``quantization_config`` (see :meth:`WeightFormat.config`)."""
-        return awq_quantization_config(opts.bits, opts.group_size, not opts.sym)
+        return awq_quantization_config(opts.bits, opts.group_size, not opts.sym, opts.unquantized)
 
     def check(self, opts):
         """Refuse options this format cannot store (see :meth:`WeightFormat.check`)."""
@@ -134,6 +137,8 @@ class GptqFormat(WeightFormat):
         # desc_act says the stored g_idx is not the contiguous one; with static groups it is (the act-order only
         # changed the rounding order), and vLLM 0.32 refuses desc_act=True
         desc_act = opts.act_order and not opts.static_groups
+        # routers stay 16-bit tensors with no exclusion field, as GPTQModel writes MoE checkpoints (vLLM builds the
+        # MoE routers unquantized whatever the GPTQ config; Qwen/Qwen3-30B-A3B-GPTQ-Int4 has none either)
         return gptq_quantization_config(opts.bits, opts.group_size, opts.sym, desc_act, opts.static_groups,
                                         opts.damp_percent, opts.true_sequential, self.checkpoint_format)
 
@@ -164,7 +169,7 @@ class CompressedTensorsFormat(WeightFormat):
     def config(self, opts):
         """``config.json``'s ``quantization_config`` (see :meth:`WeightFormat.config`)."""
         actorder = ("static" if opts.static_groups else "group") if opts.act_order else None
-        return compressed_quantization_config(opts.bits, opts.group_size, opts.sym, actorder)
+        return compressed_quantization_config(opts.bits, opts.group_size, opts.sym, actorder, opts.unquantized)
 
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (AwqGemmFormat(), GptqFormat("gptq"),
