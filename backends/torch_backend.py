@@ -35,7 +35,7 @@ _int8pack_mm = getattr(torch, "_weight_int8pack_mm", None) or getattr(torch.ops.
 
 # bump when a prepared layout below (W4TilesHandle, W8TilesHandle, Int4PackHandle) changes: saved serving layouts
 # (turbo/core/serving_layout.py) of an older version are then ignored and the checkpoint is repacked
-SERVING_LAYOUT_VERSION = 1
+SERVING_LAYOUT_VERSION = 2  # 2: MoE layers (stacked experts, float32 routers)
 
 
 @dataclass
@@ -445,25 +445,28 @@ class TorchBackend(Backend):
         product fused (``act=True``: ik_llama.cpp's fused MoE), then down; its work units are (run of rows of one
         expert, block of 32 output channels) spread over the threads, so 8 small experts of a batch-1 decode keep
         every core busy, and an expert's rows share each decoded weight tile (prefill: each expert's W4A16 GEMM runs
-        once over its tokens). The weighted products are summed per token by one batched GEMM (float32 accumulation,
-        one rounding)."""
+        once over its tokens); a single token's rows need no sorting. The weighted products are summed per token in
+        float32 (one batched GEMM), rounded once."""
         if not isinstance(handle, W4ExpertsHandle):
             return super().experts(x, topk_ids, topk_weights, handle)
-        k = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tokens = order // k
-        ids = flat.index_select(0, order).to(torch.int32)
-        xs = x.index_select(0, tokens)
-        if xs.dtype != torch.bfloat16:
-            xs = xs.to(torch.bfloat16)
+        t, k = topk_ids.shape
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        if t == 1:  # one token (batch-1 decode): its k experts are distinct, every run is one row, nothing to sort
+            ids = topk_ids.reshape(-1).to(torch.int32)
+            xs, order = xb.expand(k, xb.shape[1]).contiguous(), None
+        else:
+            flat = topk_ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            ids = flat.index_select(0, order).to(torch.int32)
+            xs = xb.index_select(0, order // k)
         h = self.ext.w4a16_experts_mm(xs, ids, *handle.gate_up, handle.group_size_gate_up, True)
         y = self.ext.w4a16_experts_mm(h, ids, *handle.down, handle.group_size_down, False)
-        # back to (token, slot) order, then each token's k products weighted and summed in one batched GEMM
-        # (float32 accumulation); index_add_ into the output costs ~10x more per decode step
-        y = y.index_select(0, torch.argsort(order)).view(-1, k, y.shape[1])
-        out = torch.bmm(topk_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        if order is not None:  # back to (token, slot) order
+            y = y.index_select(0, torch.argsort(order))
+        # each token's k products weighted and summed in float32 (torch's bf16 bmm of these shapes costs ~50 us a
+        # call on this CPU, float32 a few), rounded once
+        out = torch.bmm(topk_weights.float().unsqueeze(1), y.float().view(t, k, -1)).squeeze(1)
+        return out.to(x.dtype)
 
     def prepare_w8a16(self, weight: torch.Tensor, dtype: torch.dtype) -> Any:
         """See :meth:`Backend.prepare_w8a16` (the same codes and scales). In bf16 on CPUs whose C++ extension has

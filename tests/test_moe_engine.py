@@ -82,7 +82,7 @@ def test_planner_counts_every_expert(moe_models, name):
     want = planner.weight_breakdown(cfg, type(engine.backend), "cpu", engine.dtype, wc)
     got = engine.model.memory_breakdown()
     assert got == want
-    assert got["experts"] > 0 and got["routers"] == sum(cfg.moe.sparse) * (
+    assert got["experts"] > 0 and got["routers"] == sum(cfg.moe.sparse) * (  # float32 routers, float32 engine
         cfg.moe.num_experts + bool(cfg.moe.shared_intermediate_size)) * cfg.hidden_size * 4
     # one decode step reads the top-k experts of every sparse layer and the shared expert, not all of them
     read = planner.decode_weight_bytes(cfg, TorchBackend, "cpu", engine.dtype, wc)

@@ -163,7 +163,8 @@ def decode_weight_bytes(cfg, backend_cls: type[Backend], device_type: str, dtype
 def weight_breakdown(cfg, backend_cls: type[Backend], device_type: str, dtype: torch.dtype,
                      w: WeightChoice, tp: int = 1) -> dict[str, int]:
     """Bytes the engine holds for the weights, by part: ``decoder linears`` (attention and dense MLPs), ``experts``
-    (every expert of every sparse layer, and the shared experts), ``routers`` (16-bit routers and shared-expert gates),
+    (every expert of every sparse layer, and the shared experts), ``routers`` (float32 routers and the compute-dtype
+    shared-expert gates),
     ``embeddings``, ``lm_head``, ``norms``, ``rotary tables`` (see the module docstring); per rank (rank 0) with ``tp``
     ranks. ``cfg`` is a
     :class:`turbo.core.model.ModelConfig` of the whole model."""
@@ -175,7 +176,8 @@ def weight_breakdown(cfg, backend_cls: type[Backend], device_type: str, dtype: t
     if cfg.moe is not None:
         sparse = sum(cfg.moe.sparse)
         experts = sparse * sum(nbytes(specs) for specs in expert_linear_specs(cfg, w))
-        routers = sparse * (cfg.moe.num_experts + (1 if cfg.moe.shared_intermediate_size else 0)) * cfg.hidden_size * e
+        # the routers in float32 (turbo.core.model), the shared-expert gate in the compute dtype
+        routers = sparse * (cfg.moe.num_experts * 4 + (e if cfg.moe.shared_intermediate_size else 0)) * cfg.hidden_size
     embed = cfg.vocab_size * cfg.hidden_size * e
     if w.lm_head_int8:
         lm_head = backend_cls.linear_nbytes(LinearSpec(cfg.vocab_size, cfg.hidden_size, int8_per_channel=True),
