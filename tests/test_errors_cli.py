@@ -42,7 +42,7 @@ def test_path_that_is_not_a_checkpoint(tmp_path):
 def test_unsupported_architecture_names_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(LiteturboError, match="GPT2LMHeadModel.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(LiteturboError, match="GPT2LMHeadModel.*llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         quantize_checkpoint(str(tmp_path), QuantConfig(work_dir=str(tmp_path / "out")))
 
 
