@@ -16,7 +16,7 @@ points uint8 ``[E, groups, N]``. The fused gate/up weight is ``[2I, H]``, gate r
 blocks, so the programs launched together read the same weight tile of an expert (its other row blocks, in prefill)
 from L2. The program reads its expert id, gathers its rows of the activations (``x[p // k]`` for gate/up, ``h[p]``
 for down; padding rows masked), streams the expert's 4-bit words along K, converts them to the exact integers
-``q - z`` (the magic-number conversion of :func:`backends.triton.w4a16._unpack8`; shift-and-mask in the
+``q - z`` (the magic-number conversion of :func:`backends.triton.w4a16.unpack8`; shift-and-mask in the
 interpreter), ``tl.dot`` s them with the activations in float32 accumulation and applies the group's scale per K tile
 (K tiles never straddle a group). ``GATED`` (the first launch): two accumulators, gate column ``n`` and up column
 ``n + I`` of the same expert, and ``silu(gate) * up`` in the epilogue → ``h [T*k, I]`` in the compute dtype.
@@ -30,8 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .w4a16 import _INTERPRET, _group_params, _unpack8, _use_asm
+from ..platform import triton_interpret
+from .w4a16 import group_params, unpack8, use_asm
 from .w4a16_plan import TILE_K, TILE_N, kernel_group
+
+_INTERPRET = triton_interpret()  # read when triton.jit decorates the kernels below, as Triton reads it
 
 __all__ = ["moe_align", "plan", "fused_moe_w4a16", "moe_w4a16_gemm", "kernel_takes"]
 
@@ -134,7 +137,7 @@ def _w_operand(w_ptrs, k0, z, n_mask, op_ty: tl.constexpr, BLOCK_N: tl.constexpr
         w = tl.load(w_ptrs + (k0 // 8) * 128)
     else:
         w = tl.load(w_ptrs + (k0 // 8) * 128, mask=n_mask[None, :], other=0)
-    d0, d1, d2, d3, d4, d5, d6, d7 = _unpack8(w, z, ASM)
+    d0, d1, d2, d3, d4, d5, d6, d7 = unpack8(w, z, ASM)
     # [BK8, BN] x 8 channels -> [BK, BN] (row 8 r + j), as the dense tensor-core kernel of w4a16.py
     t = tl.join(tl.join(tl.join(d0.to(op_ty), d4.to(op_ty)), tl.join(d2.to(op_ty), d6.to(op_ty))),
                 tl.join(tl.join(d1.to(op_ty), d5.to(op_ty)), tl.join(d3.to(op_ty), d7.to(op_ty))))
@@ -181,9 +184,9 @@ def _moe_w4a16_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, tw_ptr, sorted_ptr, 
         wu_ptrs = qw_e + ((offs_u // 128).to(tl.int64) * K8P * 128 + offs_u % 128)[None, :] + col
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GROUP == 0:  # one group over K: zero points here, scales at the end
-        z, s = _group_params(z_e, s_e, 0, SN, offs_n, n_mask)
+        z, s = group_params(z_e, s_e, 0, SN, offs_n, n_mask)
         if GATED:
-            z_u, s_u = _group_params(z_e, s_e, 0, SN, offs_u, n_mask)
+            z_u, s_u = group_params(z_e, s_e, 0, SN, offs_u, n_mask)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(a_ptrs + k0, mask=row_mask[:, None], other=0.0)
@@ -192,7 +195,7 @@ def _moe_w4a16_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, tw_ptr, sorted_ptr, 
         if IEEE:
             x = x.to(tl.float32)
         if GROUP != 0:
-            z, s = _group_params(z_e, s_e, k0 // GROUP, SN, offs_n, n_mask)
+            z, s = group_params(z_e, s_e, k0 // GROUP, SN, offs_n, n_mask)
         q = _w_operand(wg_ptrs, k0, z, n_mask, op_ty, BLOCK_N, BLOCK_K, EVEN_N, ASM)
         if IEEE:
             part = tl.dot(x, q, input_precision="ieee")
@@ -204,7 +207,7 @@ def _moe_w4a16_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, tw_ptr, sorted_ptr, 
             acc += part
         if GATED:
             if GROUP != 0:
-                z_u, s_u = _group_params(z_e, s_e, k0 // GROUP, SN, offs_u, n_mask)
+                z_u, s_u = group_params(z_e, s_e, k0 // GROUP, SN, offs_u, n_mask)
             q_u = _w_operand(wu_ptrs, k0, z_u, n_mask, op_ty, BLOCK_N, BLOCK_K, EVEN_N, ASM)
             if IEEE:
                 part_u = tl.dot(x, q_u, input_precision="ieee")
@@ -261,7 +264,7 @@ def moe_w4a16_gemm(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     _moe_w4a16_kernel[grid](a, qweight, scales, zeros, out, tw, sorted_ids, block_expert, n_padded,
                             n, k, k8p, nt, sn, scales.stride(0), num_valid, a.stride(0), out.stride(0),
                             TOP_K=top_k, GROUP=group, GATED=gated, MUL_WEIGHT=topk_weights is not None,
-                            IEEE=a.dtype == torch.float32 or _INTERPRET, ASM=_use_asm(a.device),
+                            IEEE=a.dtype == torch.float32 or _INTERPRET, ASM=use_asm(a.device),
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
                             EVEN_N=n % block_n == 0, num_warps=num_warps, num_stages=num_stages)
     return out

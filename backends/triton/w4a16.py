@@ -89,7 +89,7 @@ def _zero_pairs(z):
 
 
 @triton.jit
-def _unpack8(w, z, ASM: tl.constexpr):
+def unpack8(w, z, ASM: tl.constexpr):
     """The 8 channels of int32 words ``w`` minus zero points ``z`` (broadcastable) as float32 (exact integers)."""
     if ASM:
         zlo, nzhi = _zero_pairs(z)
@@ -189,7 +189,7 @@ def _load_words(w_ptrs, k0, offs_n, NP, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _group_params(z_ptr, s_ptr, g, N, offs_n, n_mask):
+def group_params(z_ptr, s_ptr, g, N, offs_n, n_mask):
     """Zero points (``[1, BLOCK_N]``, integer) and float32 scales of group ``g`` for the block's columns."""
     z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0)[None, :]
     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -222,8 +222,8 @@ def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w = _load_words(w_ptrs, k0, offs_n, NP, EVEN_N)
         if GROUP != 0:
-            z, s = _group_params(z_ptr, s_ptr, k0 // GROUP, N, offs_n, n_mask)
-        d0, d1, d2, d3, d4, d5, d6, d7 = _unpack8(w, z, ASM)
+            z, s = group_params(z_ptr, s_ptr, k0 // GROUP, N, offs_n, n_mask)
+        d0, d1, d2, d3, d4, d5, d6, d7 = unpack8(w, z, ASM)
         kk = k0 + offs_r * 8
         if BLOCK_M == 1:
             x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
@@ -286,8 +286,8 @@ def _w4a16_dot_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cn
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w = _load_words(w_ptrs, k0, offs_n, NP, EVEN_N)
         if GROUP != 0:
-            z, s = _group_params(z_ptr, s_ptr, k0 // GROUP, N, offs_n, n_mask)
-        d0, d1, d2, d3, d4, d5, d6, d7 = _unpack8(w, z, ASM)
+            z, s = group_params(z_ptr, s_ptr, k0 // GROUP, N, offs_n, n_mask)
+        d0, d1, d2, d3, d4, d5, d6, d7 = unpack8(w, z, ASM)
         # [BK8, BN] x 8 channels -> [BK, BN] (row 8 r + j): each join adds a minor dimension, so the first join
         # picks bit 2 of j, the last bit 0; then one permute and reshape
         t = tl.join(tl.join(tl.join(d0.to(op_ty), d4.to(op_ty)), tl.join(d2.to(op_ty), d6.to(op_ty))),
@@ -347,7 +347,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _use_asm(device: torch.device) -> bool:
+def use_asm(device: torch.device) -> bool:
     """The PTX conversion runs on NVIDIA GPUs only: not in the interpreter, not on ROCm (the shift-and-mask twin)."""
     return not _INTERPRET and device.type == "cuda" and torch.version.hip is None
 
@@ -388,7 +388,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     common = dict(GROUP=p["group"], HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
                   BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=np_ % block_n == 0,
                   num_warps=p["num_warps"], num_stages=p["num_stages"])
-    asm = _use_asm(x.device)
+    asm = use_asm(x.device)
     if p["kind"] == "gemv":
         _w4a16_gemv_kernel[grid](*args, ASM=asm, **common)
     else:

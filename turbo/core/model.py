@@ -304,61 +304,6 @@ class LlamaModel:
             b = torch.cat([b for _, b in wb], 0) if all(b is not None for _, b in wb) else None
             return Linear(backend, backend.prepare_linear(w, b, dtype), None, w.shape[0])
 
-        def expert_weight(prefixes: list[str], shapes: list[tuple], qlinears: dict):
-            """An expert's fused projections (gate and up, or down) as one :class:`QuantizedWeight` or one dense
-            tensor, shape-checked and cut to this rank's part (bias-free, as every MoE family's experts are)."""
-            for p, want in zip(prefixes, shapes):
-                got = ((qlinears[p].out_features, qlinears[p].in_features) if p in qlinears
-                       else sd.shape(f"{p}.weight") if f"{p}.weight" in sd else None)
-                if got is not None:
-                    check(p, got, want, "hidden_size, moe_intermediate_size / intermediate_size, "
-                                        "shared_expert_intermediate_size")
-            if all(p in qlinears for p in prefixes):
-                parts = [qlinears.pop(p) if shard is None else shard.quantized(p, qlinears.pop(p)) for p in prefixes]
-                return QuantizedWeight.concat_out(parts) if len(parts) > 1 else parts[0]
-            if any(p in qlinears for p in prefixes):
-                raise LiteturboError(f"layers {prefixes} are partly quantized; liteturbo fuses them and needs all or none")
-            ws = [take(f"{p}.weight") for p in prefixes]
-            if shard is not None:
-                ws = [shard.dense(p, w, None)[0] for p, w in zip(prefixes, ws)]
-            return torch.cat(ws, 0) if len(ws) > 1 else ws[0]
-
-        def sparse_mlp(p: str, qlinears: dict) -> dict:
-            """A sparse layer's MLP: the router (16-bit), the experts prepared together by the backend, and the
-            shared expert with its gate when the family has one."""
-            moe = cfg.moe
-            inter = moe.intermediate_size
-            router_name = f"{p}.{moe.router}.weight"
-            if f"{p}.{moe.router}" in qlinears:
-                raise LiteturboError(f"{p}.{moe.router} (the MoE router) is quantized in this checkpoint; liteturbo "
-                                     f"keeps routers 16-bit: re-quantize with the router left out")
-            if router_name in sd:
-                check(router_name, sd.shape(router_name), (moe.num_experts, h), "num_experts, hidden_size")
-            gate_up, down = [], []
-            for e in range(moe.num_experts):
-                g, u, d = (f"{p}.{n}" for n in moe.expert(e))
-                gate_up.append(expert_weight([g, u], [(inter, h), (inter, h)], qlinears))
-                down.append(expert_weight([d], [(h, inter)], qlinears))
-            # the router in float32 (its logits are rounded to the compute dtype, as a 16-bit GEMM would give them):
-            # a [num_experts, hidden] GEMV in bf16 costs ~60 us a call on CPUs, in float32 a few
-            out = dict(router=take(router_name).to(dev, torch.float32),
-                       experts=backend.prepare_experts(gate_up, down, dtype),
-                       shared_gate_up=None, shared_down=None, shared_gate=None, gate_up=None, down=None)
-            del gate_up, down
-            if moe.shared:
-                g, u, d = (f"{p}.{n}" for n in moe.shared)
-                width = moe.shared_intermediate_size
-                out.update(shared_gate_up=linear([g, u], False, qlinears, [(width, h), (width, h)]),
-                           shared_down=linear([d], False, qlinears, [(h, width)]))
-                gate_name = f"{p}.{moe.shared_gate}.weight"
-                if f"{p}.{moe.shared_gate}" in qlinears:
-                    raise LiteturboError(f"{p}.{moe.shared_gate} (the shared expert's gate) is quantized in this "
-                                         f"checkpoint; liteturbo keeps it 16-bit")
-                if gate_name in sd:
-                    check(gate_name, sd.shape(gate_name), (1, h), "hidden_size")
-                out["shared_gate"] = take(gate_name).to(dev, dtype)
-            return out
-
         qk_widths = ((hd, hd) if cfg.qk_norm_per_head else (cfg.num_heads * hd, cfg.num_kv_heads * hd))
 
         def qk_norm(name: str, width: int) -> torch.Tensor | None:
@@ -377,9 +322,11 @@ class LlamaModel:
             # only this layer's tensors are read; its host copies die with these locals before the next layer
             qlinears = load_quantized_linears(sd, qspec, prefix=f"{p}.") if qspec else {}
             sparse = cfg.moe is not None and cfg.moe.sparse[i]
-            mlp = sparse_mlp(p, qlinears) if sparse else dict(
-                gate_up=linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], cfg.mlp_bias, qlinears),
-                down=linear([f"{p}.mlp.down_proj"], cfg.mlp_bias, qlinears))
+            if sparse:
+                mlp = _read_sparse_mlp(p, qlinears, cfg, sd, take, check, linear, shard, backend, dtype)
+            else:
+                mlp = dict(gate_up=linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], cfg.mlp_bias, qlinears),
+                           down=linear([f"{p}.mlp.down_proj"], cfg.mlp_bias, qlinears))
             layer = Layer(
                 input_norm=take(f"{p}.input_layernorm.weight").to(dev, dtype),
                 post_norm=take(f"{p}.post_attention_layernorm.weight").to(dev, dtype),
@@ -505,6 +452,67 @@ class LlamaModel:
         if max_position >= self.cos_sin[0].shape[0]:
             raise LiteturboError(f"position {max_position} exceeds max_position_embeddings="
                                  f"{self.cfg.max_position_embeddings}")
+
+
+def _read_sparse_mlp(p: str, qlinears: dict, cfg: "ModelConfig", sd, take, check, linear, shard, backend,
+                     dtype: torch.dtype) -> dict:
+    """A sparse layer's MLP as :meth:`LlamaModel.from_pretrained` reads it (its ``take``, ``check``, ``linear``
+    helpers and state dict ``sd``): the router in float32, the experts prepared together by the backend, and the
+    shared expert with its gate when the family has one. Raises ``LiteturboError`` for a quantized router or gate
+    and for misshaped experts."""
+    dev, h = backend.device, cfg.hidden_size
+
+    def expert_weight(prefixes: list[str], shapes: list[tuple], qlinears: dict):
+        """An expert's fused projections (gate and up, or down) as one :class:`QuantizedWeight` or one dense
+        tensor, shape-checked and cut to this rank's part (bias-free, as every MoE family's experts are)."""
+        for p, want in zip(prefixes, shapes):
+            got = ((qlinears[p].out_features, qlinears[p].in_features) if p in qlinears
+                   else sd.shape(f"{p}.weight") if f"{p}.weight" in sd else None)
+            if got is not None:
+                check(p, got, want, "hidden_size, moe_intermediate_size / intermediate_size, "
+                                    "shared_expert_intermediate_size")
+        if all(p in qlinears for p in prefixes):
+            parts = [qlinears.pop(p) if shard is None else shard.quantized(p, qlinears.pop(p)) for p in prefixes]
+            return QuantizedWeight.concat_out(parts) if len(parts) > 1 else parts[0]
+        if any(p in qlinears for p in prefixes):
+            raise LiteturboError(f"layers {prefixes} are partly quantized; liteturbo fuses them and needs all or none")
+        ws = [take(f"{p}.weight") for p in prefixes]
+        if shard is not None:
+            ws = [shard.dense(p, w, None)[0] for p, w in zip(prefixes, ws)]
+        return torch.cat(ws, 0) if len(ws) > 1 else ws[0]
+
+    moe = cfg.moe
+    inter = moe.intermediate_size
+    router_name = f"{p}.{moe.router}.weight"
+    if f"{p}.{moe.router}" in qlinears:
+        raise LiteturboError(f"{p}.{moe.router} (the MoE router) is quantized in this checkpoint; liteturbo "
+                             f"keeps routers 16-bit: re-quantize with the router left out")
+    if router_name in sd:
+        check(router_name, sd.shape(router_name), (moe.num_experts, h), "num_experts, hidden_size")
+    gate_up, down = [], []
+    for e in range(moe.num_experts):
+        g, u, d = (f"{p}.{n}" for n in moe.expert(e))
+        gate_up.append(expert_weight([g, u], [(inter, h), (inter, h)], qlinears))
+        down.append(expert_weight([d], [(h, inter)], qlinears))
+    # the router in float32 (its logits are rounded to the compute dtype, as a 16-bit GEMM would give them):
+    # a [num_experts, hidden] GEMV in bf16 costs ~60 us a call on CPUs, in float32 a few
+    out = dict(router=take(router_name).to(dev, torch.float32),
+               experts=backend.prepare_experts(gate_up, down, dtype),
+               shared_gate_up=None, shared_down=None, shared_gate=None, gate_up=None, down=None)
+    del gate_up, down
+    if moe.shared:
+        g, u, d = (f"{p}.{n}" for n in moe.shared)
+        width = moe.shared_intermediate_size
+        out.update(shared_gate_up=linear([g, u], False, qlinears, [(width, h), (width, h)]),
+                   shared_down=linear([d], False, qlinears, [(h, width)]))
+        gate_name = f"{p}.{moe.shared_gate}.weight"
+        if f"{p}.{moe.shared_gate}" in qlinears:
+            raise LiteturboError(f"{p}.{moe.shared_gate} (the shared expert's gate) is quantized in this "
+                                 f"checkpoint; liteturbo keeps it 16-bit")
+        if gate_name in sd:
+            check(gate_name, sd.shape(gate_name), (1, h), "hidden_size")
+        out["shared_gate"] = take(gate_name).to(dev, dtype)
+    return out
 
 
 def _check_layout(sd, cfg: ModelConfig, qspec, path: Path, check) -> None:
