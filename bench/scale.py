@@ -211,6 +211,7 @@ def measure_moe_size(size: str, args, notes: list[str]) -> dict:
     t = time.perf_counter()
     w4 = synthetic.ensure_w4a16(size, args.vocab, args.seed, args.cache_dir, quiet=args.json)
     row["w4a16_write_seconds"] = round(time.perf_counter() - t, 1)
+    row["w4a16_bytes"] = (w4 / "model.safetensors").stat().st_size
     row["checkpoint"] = str(w4)
     if any((w4 / "serving").glob("*/layout.json")):  # packed by an earlier run (a changed checkpoint is re-packed
         notes.append("pack: the serving layout of an earlier run is reused")  # by the engine's own check)
@@ -739,7 +740,12 @@ def decode_bytes_by_engine(row: dict) -> dict:
     gguf = row.get("llama_cpp_gguf_bytes")
     if gguf is None and row.get("llama_cpp_gguf") and Path(row["llama_cpp_gguf"]).exists():
         gguf = Path(row["llama_cpp_gguf"]).stat().st_size
-    if gguf and row.get("llama_cpp_decode_tok_s"):
+    if row.get("active_parameters") and row.get("bytes_per_token") and row.get("llama_cpp_decode_tok_s"):
+        # a Mixture-of-Experts model: llama.cpp reads the selected experts too, not the whole file; its bytes per
+        # token are turbo's scaled by the two files' sizes (Q4_0 4.5 bits per weight against W4A16 g128's ~4.25)
+        w4 = row.get("w4a16_bytes")
+        out["llama_cpp"] = int(row["bytes_per_token"] * (gguf / w4)) if gguf and w4 else row["bytes_per_token"]
+    elif gguf and row.get("llama_cpp_decode_tok_s"):
         out["llama_cpp"] = gguf
     return out
 
