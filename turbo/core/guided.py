@@ -60,17 +60,23 @@ def grammar_text(gen) -> tuple[str, str] | None:
     got = _constraint_text(gen)
     if got is None or gen.after_reasoning is None:
         return got
-    return _after_reasoning(got[0], gen.after_reasoning), got[1]
+    return _after_reasoning(got[0], got[1], gen.after_reasoning), got[1]
 
 
-def _after_reasoning(grammar: str, how: str) -> str:
-    """A top-level grammar whose text is free up to ``</think>`` (``how`` "open": the prompt opened the block;
-    "optional": the reply may open it with ``<think>``, or answer at once), then whitespace, then ``grammar``."""
+def _after_reasoning(grammar: str, kind: str, how: str) -> str:
+    """A top-level grammar whose text is free up to ``</think>`` and the whitespace after it (``how`` "open": the
+    prompt opened the block; "optional": the reply may open it with ``<think>`` after whitespace, or answer at
+    once), then ``grammar``: llguidance's text of constraint ``kind``, JSON (``{"grammars": [...]}``, what
+    ``grammar_from_json_schema`` / ``grammar_from_regex`` return) or, for ``grammar`` (a request's Lark, GBNF
+    converted, or a tool-call grammar), the Lark text itself (what ``grammar_from_lark`` returns). The reasoning
+    and the whitespace after it are one lexeme (exactly one ``</think>``, at its end), so an answer that starts with
+    free text cannot take that whitespace from it (the reasoning parsers drop it too)."""
     import json
-    inner = json.loads(grammar)["grammars"]
-    head = 'start: think WS? @answer\n' if how == "open" else 'start: ("<think>" think WS?)? @answer\n'
-    lark = head + 'think[lazy]: /(?s:.*)/ "</think>"\nWS: /[ \\t\\r\\n]+/\n'
-    return json.dumps({"grammars": [{"lark_grammar": lark}, dict(inner[0], name="answer"), *inner[1:]]})
+    inner = [{"lark_grammar": grammar}] if kind == "grammar" else json.loads(grammar)["grammars"]
+    think = r'THINK: /(?s:.*)<\/think>[ \t\r\n]*/ & ~/(?s:.*)<\/think>(?s:.*)<\/think>(?s:.*)/' + "\n"
+    head = "start: THINK @answer\n" if how == "open" else \
+        "start: OPEN THINK @answer | @answer\nOPEN: /[ \\t\\r\\n]*<think>/\n"
+    return json.dumps({"grammars": [{"lark_grammar": head + think}, dict(inner[0], name="answer"), *inner[1:]]})
 
 
 def _constraint_text(gen) -> tuple[str, str] | None:

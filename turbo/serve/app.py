@@ -138,11 +138,13 @@ class Served:
                           for k in ("json_schema", "regex", "choice", "grammar"))
         return opened, ({"after_reasoning": "open" if opened else "optional"} if constrained else {})
 
-    def tool_constraint(self, tool_req: ToolRequest | None, sampling: dict) -> dict:
+    def tool_constraint(self, tool_req: ToolRequest | None, sampling: dict, reasoning: bool = False) -> dict:
         """The grammar of the request's calls, as keywords: ``tool_choice`` "required" or a named function forces a
         call (400 when the request also gives a structured-output constraint); "auto" leaves text free but holds a
-        call the reply starts to the format and the tool's schema (none with a structured-output constraint)."""
-        grammar = call_grammar(tool_req, self.tool_parser.name, self.client.tokenizer) if tool_req else None
+        call the reply starts to the format and the tool's schema (none with a structured-output constraint).
+        ``reasoning``: the grammar will stand after the reasoning (:meth:`reasoning_layer`)."""
+        grammar = call_grammar(tool_req, self.tool_parser.name, self.client.tokenizer, reasoning) \
+            if tool_req else None
         if grammar is None:
             return {}
         constrained = any(sampling.get(k) is not None for k in ("json_schema", "regex", "choice", "grammar"))
@@ -301,7 +303,7 @@ async def chat_completions(request: Request):
     want_lp = {"logprobs": MAX_LOGPROBS} if lp else {}
     c = s.client
     if req.session_id is None:
-        layers = (req.sampling, s.tool_constraint(req.tools, req.sampling), want_lp)
+        layers = (req.sampling, s.tool_constraint(req.tools, req.sampling, s.reasoning is not None), want_lp)
         ids = await run_in_threadpool(s.chat_ids, req.messages, req.tools)
         job.prompt_open, after = s.reasoning_layer(ids, layers)
         job.reasoning = s.reasoning if job.prompt_open is not None else None

@@ -36,19 +36,31 @@ _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ?", "key_separ
 _ARRAY_MARKS = {"mistral": "[TOOL_CALLS]", "granite": "<|tool_call|>"}
 
 
-def call_grammar(tools: "turbo.serve.tools.ToolRequest", parser: str, tokenizer=None) -> str | None:
+def call_grammar(tools: "turbo.serve.tools.ToolRequest", parser: str, tokenizer=None,
+                 reasoning: bool = False) -> str | None:
     """The grammar of a reply to a request with ``tools`` in ``parser``'s format: for ``tool_choice`` "required"
     one call (one or more with ``parallel_tool_calls``) of any of the tools, for a named function exactly one call
     of it, for "auto" free text in which a started call follows the same rules; ``None`` for "none".
-    ``tokenizer`` (optional) lets a marker that is a special token of the model be matched as that token. Unknown
-    ``parser``: LiteturboError."""
+    ``tokenizer`` (optional) lets a marker that is a special token of the model be matched as that token.
+    ``reasoning``: the grammar is the answer after a reasoning block (``GenerationConfig.after_reasoning``), so the
+    free text of "auto" never opens with ``<think>`` (such a reply is the reasoning, read by the grammar around this
+    one; without this, free text that may start anywhere would also read the reasoning and whatever follows it).
+    Unknown ``parser``: LiteturboError."""
     ToolParser(parser)
     if tools.choice not in ("required", "named", "auto"):
         return None
     chosen = [t for t in tools.tools if tools.choice in ("required", "auto") or t.name == tools.named]
     many = tools.parallel and tools.choice != "named"
     build = {"qwen3_xml": _qwen3_xml, "pythonic": _pythonic, "deepseek_v3": _deepseek_v3}.get(parser, _json_calls)
-    return build(parser, chosen, tools.choice == "auto", many, tokenizer)
+    grammar = build(parser, chosen, tools.choice == "auto", many, tokenizer)
+    if reasoning and tools.choice == "auto":  # the formats whose call stands at the start (llama3_json, pythonic,
+        # mistral, granite) have a TEXT alternative; the others' free text is a lazy head and a TAIL, already right
+        grammar = grammar.replace("\nTEXT: ", "\nTEXT: " + _NOT_THINKING + " & ", 1)
+    return grammar
+
+
+# text that does not open a reasoning block (after leading whitespace), for the free text of "auto" (``reasoning``)
+_NOT_THINKING = r"/(?s:.*)/ & ~/[ \t\n\r]*<think>(?s:.*)/"
 
 
 def _marker(text: str, tokenizer) -> str:
