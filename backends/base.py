@@ -61,8 +61,8 @@ class Backend(ABC):
         """Which implementation runs each op on ``platform`` (a :class:`~backends.platform.Platform`; ``None``:
         wherever the backend runs), for ``liteturbo env``: op name → a short phrase. The keys are the ops the model
         runner calls: ``linear``, ``w4a16_linear``, ``w8a16_linear``, ``rms_norm``, ``add_rms_norm``,
-        ``silu_and_mul``, ``rotary``, ``attention``, ``kv_write_int8``, ``kv_write_int4``, ``experts`` (a
-        Mixture-of-Experts layer's selected experts). This default describes
+        ``silu_and_mul``, ``rotary``, ``attention``, ``kv_write_int8``, ``kv_write_int4``, ``moe_route`` and ``experts``
+        (a Mixture-of-Experts layer's routing and its selected experts). This default describes
         the generic methods above; backends override the entries they implement themselves."""
         generic = "torch reference (Backend default)"
         return {"linear": generic, "w4a16_linear": "backend-specific (abstract)", "w8a16_linear": generic,
@@ -70,6 +70,7 @@ class Backend(ABC):
                 "silu_and_mul": generic, "rotary": "backend-specific (abstract)",
                 "attention": "backend-specific (abstract)", "kv_write_int8": "torch reference (PagedKVCache.write)",
                 "kv_write_int4": "torch reference (PagedKVCache.write)",
+                "moe_route": generic,
                 "experts": "grouped by expert, each selected expert's linears once over its rows (Backend default)"}
 
     # --- memory accounting ---------------------------------------------------------------------
@@ -156,9 +157,23 @@ class Backend(ABC):
         return ExpertsHandle([self.prepare_linear(w, None, dtype) for w in gate_up],
                              [self.prepare_linear(w, None, dtype) for w in down], None, widths.pop() // 2)
 
+    def moe_route(self, x: torch.Tensor, router: torch.Tensor, top_k: int,
+                  norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sparse MLP block's routing, as transformers' ``*SparseMoeBlock`` computes it in ``x.dtype``: logits
+        ``x @ router.T`` (``router`` float32 ``[E, hidden]`` holding the checkpoint's 16-bit values; the GEMM in
+        float32, rounded to ``x.dtype``), softmax in float32, the ``top_k`` largest, divided by their sum when
+        ``norm_topk_prob``. ``x [T, hidden]`` → ``(topk_weights [T, k]`` in ``x.dtype``, ``topk_ids [T, k]`` int32 or
+        int64 in ``[0, E))``, largest weight first. Equal logits may be ordered either way (torch.topk's choice)."""
+        logits = torch.nn.functional.linear(x.float(), router).to(x.dtype)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> torch.Tensor:
         """The routed experts of a sparse MLP block: ``out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) *
-        up_e(x[t]))`` with ``e = topk_ids[t, j]``. ``x [T, hidden]``, ``topk_ids`` int64 ``[T, k]``, ``topk_weights``
+        up_e(x[t]))`` with ``e = topk_ids[t, j]``. ``x [T, hidden]``, ``topk_ids`` int32 or int64 ``[T, k]``, ``topk_weights``
         ``[T, k]`` in ``x.dtype`` → ``[T, hidden]`` in ``x.dtype``. This reference groups the rows by expert and runs
         each selected expert once over its rows (as ggml's ``mul_mat_id`` and vLLM's fused MoE do), through
         :meth:`linear` / :meth:`w4a16_linear` and :meth:`silu_and_mul`; each product is weighted in ``x.dtype`` and

@@ -1,6 +1,6 @@
 """liteturbo's C++ CPU kernels (``backends/csrc/*.cpp``), compiled at first use with torch's ``cpp_extension``:
-W4A16 kernels (a few rows and many rows over one packed weight; the routed rows of all of a MoE layer's experts in
-one call, optionally with gate/up SiLU fused), a weight-only int8 GEMV (the lm_head of decode steps), fused RMSNorm /
+W4A16 kernels (a few rows and many rows over one packed weight; the routed experts of a MoE layer in one call,
+gate/up SiLU fused, and its routing), a weight-only int8 GEMV (the lm_head of decode steps), fused RMSNorm /
 residual-add + RMSNorm / SiLU-and-mul / rotary, and paged attention (prefill and decode
 rows through the block tables) over a 16/32-bit KV cache.
 
@@ -32,7 +32,7 @@ from .platform import liteturbo_home
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "ext.cpp", _CSRC / "w4a16_gemm_cpu.cpp", _CSRC / "w4_pack_cpu.cpp", _CSRC / "w8a16_gemv_cpu.cpp",
-            _CSRC / "ops_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "moe_cpu.cpp"]
+            _CSRC / "ops_cpu.cpp", _CSRC / "attention_cpu.cpp", _CSRC / "moe_cpu.cpp", _CSRC / "moe_route_cpu.cpp"]
 _HEADERS = [_CSRC / "avx512_math.h"]  # part of the cache key, not compiled on their own
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]  # no FMA contraction: round as torch does
 _lock = threading.Lock()
@@ -64,8 +64,9 @@ def build_dir() -> Path:
 def load():
     """The compiled module, or ``None`` when disabled or when it cannot be built here (warned once, with the reason
     and the fallback). Functions: ``w4a16_tiles_gemv``, ``w4a16_tiles_mm``, ``has_w4_tiles``
-    (``csrc/w4a16_gemm_cpu.cpp``); ``w4a16_experts_mm``, ``has_w4_experts`` (``csrc/moe_cpu.cpp``: the experts of
-    one MoE layer stacked in that layout, ``[E, N/32, K/4, 64]``); ``unpack_nibbles_t``, ``pack_w4_tiles_codes``
+    (``csrc/w4a16_gemm_cpu.cpp``); ``w4a16_experts_mm``, ``w4a16_moe``, ``has_w4_experts`` (``csrc/moe_cpu.cpp``: the
+    experts of one MoE layer stacked in that layout, ``[E, N/32, K/4, 64]``); ``moe_route`` (``csrc/moe_route_cpu.cpp``:
+    router logits, softmax, top-k); ``unpack_nibbles_t``, ``pack_w4_tiles_codes``
     (``csrc/w4_pack_cpu.cpp``);
     ``w8a16_gemv``, ``has_w8_gemv`` (``csrc/w8a16_gemv_cpu.cpp``); ``rms_norm``,
     ``add_rms_norm``, ``silu_and_mul``, ``rotary``, ``rotary_kv_write`` (``csrc/ops_cpu.cpp``); ``paged_attention``

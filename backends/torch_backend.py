@@ -273,6 +273,10 @@ class TorchBackend(Backend):
         self.int8_tile_min_rows = never if batch_invariant else int8_tile_min_rows
         self.dense_lm_head_min_rows = never if batch_invariant else dense_lm_head_min_rows
         self.tiles_min_rows = 1 if batch_invariant else tiles_min_rows  # w4a16_tiles_mm: each row on its own
+        # MoE: the C++ router dot products up to this many rows (torch's float32 GEMM above), experts' runs of at most
+        # this many rows on the codes-in-place arithmetic; batch-invariant mode: one arithmetic for every row count
+        self.moe_route_gemv_rows = never if batch_invariant else 16
+        self.moe_max_gemv_rows = 0 if batch_invariant else tiles_min_rows - 1
 
     def serving_layout_id(self, dtype: torch.dtype) -> str | None:
         """See :meth:`Backend.serving_layout_id`: on a CPU, the layout version, ``dtype``, and which of the C++
@@ -325,8 +329,11 @@ class TorchBackend(Backend):
             "attention": ("torch SDPA (prefill) + batched matmul decode over the gathered paged KV"
                           + ("; a 16-bit cache: liteturbo C++ paged attention over the block tables, all rows of a "
                              "step in one call" if ext else "")),
-            "experts": (("bf16 4-bit experts: liteturbo's C++ grouped W4A16 kernel (AVX-512 BF16), every selected "
-                         "expert in one call, gate+up+SiLU fused, work split by (expert, channel block); else "
+            "moe_route": ("bf16: liteturbo C++ routing (router dot products up to 16 rows, softmax, top-k in one call)"
+                          if ext else ref),
+            "experts": (("bf16 4-bit experts: liteturbo's C++ grouped W4A16 kernel (AVX-512 BF16), sorting, every "
+                         "selected expert and the weighted sum in one call, gate+up+SiLU fused, work split by (expert, "
+                         "channel block); else "
                          if ext and cpu_ext.w4_tiles_expected() else "") +
                         "grouped by expert, each selected expert's linears once over its rows"),
             "kv_write_int8": ref + " (quantize per token + index_copy)",
@@ -439,33 +446,32 @@ class TorchBackend(Backend):
         return W4ExpertsHandle(stack(gate_up), stack(down), gate_up[0].effective_group_size,
                                down[0].effective_group_size, gate_up[0].out_features // 2, len(gate_up))
 
+    def moe_route(self, x: torch.Tensor, router: torch.Tensor, top_k: int,
+                  norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`Backend.moe_route`. bf16 on CPUs with the extension: liteturbo's C++ routing
+        (``csrc/moe_route_cpu.cpp``: softmax and top-k in one call, equal logits ordered by expert id, int32 ids), with
+        the router's dot products in it up to ``moe_route_gemv_rows`` rows and torch's float32 GEMM above; so every
+        row count of this backend breaks ties alike."""
+        if self.ext is None or x.dtype != torch.bfloat16 or x.dim() != 2 or router.dtype != torch.float32:
+            return super().moe_route(x, router, top_k, norm_topk_prob)
+        logits = None if x.shape[0] <= self.moe_route_gemv_rows else torch.nn.functional.linear(x.float(), router)
+        return self.ext.moe_route(x, router, top_k, norm_topk_prob, logits)
+
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: Any) -> torch.Tensor:
-        """See :meth:`Backend.experts`. A :class:`W4ExpertsHandle`: the ``T x k`` (token, expert) rows sorted by expert,
-        then two calls of the C++ grouped kernel over every selected expert at once: gate and up with the SiLU
-        product fused (``act=True``: ik_llama.cpp's fused MoE), then down; its work units are (run of rows of one
-        expert, block of 32 output channels) spread over the threads, so 8 small experts of a batch-1 decode keep
-        every core busy, and an expert's rows share each decoded weight tile (prefill: each expert's W4A16 GEMM runs
-        once over its tokens); a single token's rows need no sorting. The weighted products are summed per token in
-        float32 (one batched GEMM), rounded once."""
+        """See :meth:`Backend.experts`. A :class:`W4ExpertsHandle` with bf16 activations: one call of the C++
+        ``w4a16_moe`` (``csrc/moe_cpu.cpp``): the ``T x k`` (token, expert) rows sorted by expert (a counting sort),
+        gate and up with the SiLU product fused (``act``: ik_llama.cpp's fused MoE), then down, over every selected
+        expert at once; its work units are (run of rows of one expert, block of 32 output channels) spread over the
+        threads, so 8 small experts of a batch-1 decode keep every core busy, and an expert's rows share each decoded
+        weight tile (prefill: each expert's W4A16 GEMM runs once over its tokens). The weighted products are summed
+        per token in float32, rounded once. ``batch_invariant``: every run takes the many-row arithmetic, so a row's
+        numbers do not depend on how many rows share its expert."""
         if not isinstance(handle, W4ExpertsHandle):
             return super().experts(x, topk_ids, topk_weights, handle)
-        t, k = topk_ids.shape
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        if t == 1:  # one token (batch-1 decode): its k experts are distinct, every run is one row, nothing to sort
-            ids = topk_ids.reshape(-1).to(torch.int32)
-            xs, order = xb.expand(k, xb.shape[1]).contiguous(), None
-        else:
-            flat = topk_ids.reshape(-1)
-            order = torch.argsort(flat, stable=True)
-            ids = flat.index_select(0, order).to(torch.int32)
-            xs = xb.index_select(0, order // k)
-        h = self.ext.w4a16_experts_mm(xs, ids, *handle.gate_up, handle.group_size_gate_up, True)
-        y = self.ext.w4a16_experts_mm(h, ids, *handle.down, handle.group_size_down, False)
-        if order is not None:  # back to (token, slot) order
-            y = y.index_select(0, torch.argsort(order))
-        # each token's k products weighted and summed in float32 (torch's bf16 bmm of these shapes costs ~50 us a
-        # call on this CPU, float32 a few), rounded once
-        out = torch.bmm(topk_weights.float().unsqueeze(1), y.float().view(t, k, -1)).squeeze(1)
+        out = self.ext.w4a16_moe(xb, topk_ids, topk_weights.to(torch.bfloat16), *handle.gate_up,
+                                 handle.group_size_gate_up, *handle.down, handle.group_size_down,
+                                 self.moe_max_gemv_rows)
         return out.to(x.dtype)
 
     def prepare_w8a16(self, weight: torch.Tensor, dtype: torch.dtype) -> Any:

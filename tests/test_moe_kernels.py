@@ -199,7 +199,7 @@ def test_refuses_bad_inputs():
         ex(x.float(), ids)
     with pytest.raises(RuntimeError, match="expert_ids has 2 entries, x 3 rows"):
         ex(x, ids[:2])
-    with pytest.raises(RuntimeError, match="x has 320 input channels, the weight 256"):
+    with pytest.raises(RuntimeError, match="the input has 320 channels, the weight 256"):
         ex(torch.randn(3, 320).to(torch.bfloat16), ids)
     with pytest.raises(RuntimeError, match="zeros must be"):
         call(x, ids, ex.tiles[0], ex.tiles[1][:3], ex.tiles[2], 64, False)
@@ -213,3 +213,133 @@ def test_refuses_bad_inputs():
         call(x, ids, ex.tiles[0][0], *ex.tiles[1:], 64, False)
     with pytest.raises(RuntimeError, match="multiple of 64"):  # act: N = 96 is not two halves of 32-multiples
         ex(x, ids, act=True)
+
+
+# --- w4a16_moe: the whole routed-experts op in one call --------------------------------------------------------------
+
+
+def topk_routing(t: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` tokens' ``k`` distinct experts of ``e`` (int64, as torch.topk gives them) and bf16 weights summing to ~1."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g) + 0.1
+    return ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
+@needs_experts
+@pytest.mark.parametrize("t", [1, 2, 8, 61])
+def test_moe_equals_the_two_passes_and_a_float64_weighted_sum(t):
+    """``w4a16_moe`` = ``w4a16_experts_mm`` gate_up (act) then down over the rows sorted by expert, each token's k
+    products weighted and summed: against those two calls and a float64 sum (one bf16 ulp), and against float64
+    end to end (the bf16 roundings of h and y between: a few ulps of the output's scale)."""
+    e, k, hdim, inter, gs = 8, 3, 256, 64, 64
+    gu = Experts(e, 2 * inter, hdim, gs, seed=t + 1)
+    down = Experts(e, hdim, inter, 32, seed=t + 2)
+    ids, w = topk_routing(t, e, k, seed=t)
+    x = torch.randn(t, hdim, generator=torch.Generator().manual_seed(t + 3)).to(torch.bfloat16)
+    for ids_dtype in (torch.int64, torch.int32):
+        y = ext.w4a16_moe(x, ids.to(ids_dtype), w, *gu.tiles, gs, *down.tiles, 32)
+        assert y.shape == (t, hdim) and y.dtype == torch.bfloat16
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sid = flat[order].to(torch.int32)
+        h = gu(x.index_select(0, order // k), sid, act=True)
+        yy = down(h, sid).index_select(0, torch.argsort(order)).view(t, k, hdim)
+        want = (w.double().unsqueeze(-1) * yy.double()).sum(1)
+        assert ((y.double() - want).abs() <= ulp(want)).all()
+        # end to end in float64 (silu(gate) * up, down), the same routing
+        wf = (gu.w[ids], down.w[ids])  # [t, k, 2I, H], [t, k, H, I]
+        g_u = torch.einsum("th,tkoh->tko", x.double(), wf[0])
+        hh = torch.nn.functional.silu(g_u[..., :inter]) * g_u[..., inter:]
+        ref = (w.double().unsqueeze(-1) * torch.einsum("tki,tkhi->tkh", hh, wf[1])).sum(1)
+        close(y, ref, rtol=2e-2)
+    wrong = ext.w4a16_moe(x, (ids + 1) % e, w, *gu.tiles, gs, *down.tiles, 32)
+    assert (wrong.double() - y.double()).abs().max() > 0.1 * y.double().abs().max()
+
+
+@needs_experts
+def test_moe_refuses_bad_inputs():
+    e, hdim, inter = 4, 256, 64
+    gu, down = Experts(e, 2 * inter, hdim, 64, seed=1), Experts(e, hdim, inter, 32, seed=2)
+    ids, w = topk_routing(3, e, 2, seed=0)
+    x = torch.randn(3, hdim).to(torch.bfloat16)
+    call = lambda x, i, w, **kw: ext.w4a16_moe(x, i, w, *gu.tiles, 64, *down.tiles, 32, **kw)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"topk_ids holds 4, outside \[0, 4\)"):
+        call(x, torch.full_like(ids, 4), w)
+    with pytest.raises(RuntimeError, match="topk_weights must be bfloat16"):
+        call(x, ids, w.float())
+    with pytest.raises(RuntimeError, match="topk_weights must be bfloat16 of topk_ids' shape"):
+        call(x, ids, w[:, :1])
+    with pytest.raises(RuntimeError, match="topk_ids must be int32 or int64"):
+        call(x, ids.float(), w)
+    with pytest.raises(RuntimeError, match="T = x's rows"):
+        call(x[:2], ids, w)
+    with pytest.raises(RuntimeError, match="x must be a CPU bfloat16"):
+        call(x.float(), ids, w)
+    with pytest.raises(RuntimeError, match="gate_up: the input has 320 channels"):
+        call(torch.randn(3, 320).to(torch.bfloat16), ids, w)
+    with pytest.raises(RuntimeError, match="down must be"):  # another expert count for down
+        ext.w4a16_moe(x, ids, w, *gu.tiles, 64, *(t[:3] for t in down.tiles), 32)
+
+
+# --- moe_route: logits, softmax, top-k -------------------------------------------------------------------------------
+
+
+def torch_route(x: torch.Tensor, router: torch.Tensor, k: int, norm: bool):
+    """transformers' routing in bf16 (the Backend default): float32 GEMM rounded to bf16, softmax, top-k."""
+    from backends.base import Backend
+
+    return Backend.moe_route(None, x, router, k, norm)
+
+
+@pytest.mark.skipif(ext is None, reason="needs the C++ extension")
+@pytest.mark.parametrize("t", [1, 5, 16, 40])
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_matches_the_torch_routing(t, norm):
+    """Same experts in the same order and weights within one bf16 ulp as the torch routing, for the dot products
+    computed in C++ and for float32 logits passed in; rows whose bf16 logits tie at the k-th place are excluded from
+    the id comparison (torch.topk orders ties arbitrarily) and checked by the tie rule instead."""
+    e, hdim, k = 64, 512, 6
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, hdim, generator=g).to(torch.bfloat16)
+    router = (torch.randn(e, hdim, generator=g) * 0.05).to(torch.bfloat16).float()
+    want_w, want_ids = torch_route(x, router, k, norm)
+    logits = torch.nn.functional.linear(x.float(), router)
+    for given in (None, logits):
+        w, ids = ext.moe_route(x, router, k, norm, given)
+        assert ids.dtype == torch.int32 and w.dtype == torch.bfloat16 and ids.shape == w.shape == (t, k)
+        lb = logits.to(torch.bfloat16).float()
+        top = lb.sort(-1, descending=True).values
+        clean = (top[:, :k] != top[:, 1:k + 1]).all(-1)  # no equal values among the k + 1 largest
+        assert clean.sum() >= t // 2
+        for r in range(t):
+            if clean[r]:
+                assert torch.equal(ids[r].long(), want_ids[r]), r
+            assert (w[r].double() - want_w[r].double()).abs().max() <= ulp(want_w[r]).max()
+            # the tie rule: largest first, equal logits by lower id
+            sel = lb[r, ids[r].long()]
+            assert (sel[:-1] >= sel[1:]).all()
+            for j in range(k - 1):
+                if sel[j] == sel[j + 1]:
+                    assert ids[r, j] < ids[r, j + 1]
+        if norm:
+            assert torch.allclose(w.float().sum(-1), torch.ones(t), atol=2e-2)
+
+
+@pytest.mark.skipif(ext is None, reason="needs the C++ extension")
+def test_route_breaks_ties_by_expert_id_and_refuses_bad_inputs():
+    x = torch.ones(1, 32, dtype=torch.bfloat16)
+    router = torch.zeros(8, 32)
+    router[[6, 2, 5]] = 1.0  # three equal best logits
+    w, ids = ext.moe_route(x, router, 2, True, None)
+    assert ids.tolist() == [[2, 5]] and w.float().tolist() == [[0.5, 0.5]]
+    w, ids = ext.moe_route(x, router, 4, False, None)
+    assert ids.tolist() == [[2, 5, 6, 0]]
+    with pytest.raises(RuntimeError, match=r"top_k must be in \[1, 8\]"):
+        ext.moe_route(x, router, 9, True, None)
+    with pytest.raises(RuntimeError, match="router must be float32"):
+        ext.moe_route(x, router.bfloat16(), 2, True, None)
+    with pytest.raises(RuntimeError, match="x must be a CPU bfloat16"):
+        ext.moe_route(x.float(), router, 2, True, None)
+    with pytest.raises(RuntimeError, match=r"logits must be \[T=1, E=8\]"):
+        ext.moe_route(x, router, 2, True, torch.zeros(1, 7))

@@ -26,7 +26,7 @@ from turbo.cli import main
 GiB = 2**30
 REPO = Path(__file__).resolve().parents[1]
 OPS = {"linear", "w4a16_linear", "w8a16_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "attention",
-       "kv_write_int8", "kv_write_int4", "experts"}
+       "kv_write_int8", "kv_write_int4", "moe_route", "experts"}
 
 
 # --- a stand-in torch_npu: the two vendor ops as documented, computed in float64 on the CPU --------------------

@@ -12,6 +12,12 @@ bool has_w4_experts();
 at::Tensor w4a16_experts_mm(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& packed,
                             const at::Tensor& zeros, const at::Tensor& scales, int64_t group_size, bool act,
                             int64_t max_gemv_rows);
+at::Tensor w4a16_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                     const at::Tensor& gu_packed, const at::Tensor& gu_zeros, const at::Tensor& gu_scales,
+                     int64_t gu_group_size, const at::Tensor& d_packed, const at::Tensor& d_zeros,
+                     const at::Tensor& d_scales, int64_t d_group_size, int64_t max_gemv_rows);
+std::tuple<at::Tensor, at::Tensor> lt_moe_route(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
+                                                bool norm_topk_prob, const c10::optional<at::Tensor>& logits);
 bool has_w8_gemv();
 at::Tensor w8a16_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales);
 bool has_w8_tiles();
@@ -42,6 +48,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(gate) * up [P, I]; runs of at most max_gemv_rows rows read the codes in place (moe_cpu.cpp)",
         py::arg("x"), py::arg("expert_ids"), py::arg("packed"), py::arg("zeros"), py::arg("scales"),
         py::arg("group_size"), py::arg("act") = false, py::arg("max_gemv_rows") = 5);
+  m.def("w4a16_moe", &w4a16_moe,
+        "MoE W4A16, the routed experts of one sparse block in one call: bf16 x [T, H], topk_ids int32/int64 [T, k], "
+        "bf16 topk_weights [T, k], the stacked gate_up and down tiles -> bf16 [T, H] = sum_j w[t, j] * "
+        "down(silu(gate(x)) * up(x)) of expert topk_ids[t, j], summed in float32 (moe_cpu.cpp)",
+        py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"), py::arg("gu_packed"), py::arg("gu_zeros"),
+        py::arg("gu_scales"), py::arg("gu_group_size"), py::arg("d_packed"), py::arg("d_zeros"), py::arg("d_scales"),
+        py::arg("d_group_size"), py::arg("max_gemv_rows") = 5);
+  m.def("moe_route", &lt_moe_route,
+        "MoE routing: bf16 x [T, H], float32 router [E, H] -> (bf16 topk_weights [T, k], int32 topk_ids [T, k]): "
+        "logits rounded to bf16, softmax in float32, top-k (ties: lower id), renormalised when norm_topk_prob; "
+        "float32 logits [T, E] given skip the dot products (moe_route_cpu.cpp)",
+        py::arg("x"), py::arg("router"), py::arg("top_k"), py::arg("norm_topk_prob"), py::arg("logits") = py::none());
   m.def("has_w4_experts", &has_w4_experts, "whether w4a16_experts_mm was compiled in (AVX-512 BF16)");
   m.def("w8a16_gemv", &w8a16_gemv,
         "weight-only int8 for 1-4 rows: bf16 x [M, K] x int8 q [N, K] * scales [N] -> bf16 [M, N] (w8a16_gemv_cpu.cpp)");

@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <tuple>
 #include <cstdint>
 #include <vector>
 
@@ -236,47 +237,17 @@ struct Chunk {
 }  // namespace
 #endif
 
-bool has_w4_experts() { return LT_W4_TILES != 0; }
+#if LT_W4_TILES
+namespace {
 
-// x bfloat16 [P, K], expert_ids int32 [P] in [0, E) → bfloat16 [P, N] (act: [P, N/2] = silu(gate) * up); see the
-// comment at the top. Raises when built without AVX-512 BF16.
-at::Tensor w4a16_experts_mm(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& packed,
-                            const at::Tensor& zeros, const at::Tensor& scales, int64_t group_size, bool act,
-                            int64_t max_gemv_rows) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
-              "x must be a CPU bfloat16 [P, K]");
-  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kInt && ids_in.device().is_cpu(),
-              "expert_ids must be a CPU int32 [P]");
-  TORCH_CHECK(ids_in.size(0) == x_in.size(0), "expert_ids has ", ids_in.size(0), " entries, x ", x_in.size(0), " rows");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(3) == 64 &&
-                  packed.is_contiguous() && packed.device().is_cpu(),
-              "packed must be contiguous uint8 [E, N/32, K/4, 64]");
-  const at::Tensor x = x_in.contiguous(), ids = ids_in.contiguous();
-  const int64_t P = x.size(0), K = x.size(1), E = packed.size(0), NB = packed.size(1);
-  TORCH_CHECK(packed.size(2) * 4 == K, "x has ", K, " input channels, the weight ", packed.size(2) * 4);
-  TORCH_CHECK(K > 0, "x must have input channels");
-  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && K % group_size == 0,
-              "group_size must be a multiple of 8 dividing K (", K, "), got ", group_size);
+// One pass of the experts over rows sorted by expert (the body of w4a16_experts_mm on raw pointers): x [P, K] bf16,
+// ids [P] in [0, E), the stacked tiles with NB blocks of 32 output channels per expert; out [P, act ? NB*16 : NB*32].
+void experts_pass(const uint16_t* xp, int64_t P, int64_t K, const int32_t* idp, const uint8_t* wp, const int16_t* zp,
+                  const at::BFloat16* sp, int64_t NB, int64_t group_size, bool act, int64_t max_gemv_rows,
+                  at::BFloat16* op) {
   const int64_t G = K / group_size;
-  TORCH_CHECK(zeros.scalar_type() == at::kShort && zeros.sizes() == at::IntArrayRef({E, NB, G, 2, 16}) &&
-                  zeros.is_contiguous(),
-              "zeros must be contiguous int16 [E, N/32, G, 2, 16] = [", E, ", ", NB, ", ", G, ", 2, 16], got ",
-              zeros.scalar_type(), " ", zeros.sizes());
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.sizes() == at::IntArrayRef({E, NB, G, 2, 16}) &&
-                  scales.is_contiguous(),
-              "scales must be contiguous bfloat16 [E, N/32, G, 2, 16] = [", E, ", ", NB, ", ", G, ", 2, 16], got ",
-              scales.scalar_type(), " ", scales.sizes());
-  TORCH_CHECK(!act || NB % 2 == 0, "act=True needs the gate and up halves of N = ", NB * 32,
-              " each a multiple of 32 (N a multiple of 64)");
-  TORCH_CHECK(max_gemv_rows >= 0, "max_gemv_rows must be >= 0");
   const int64_t NU = act ? NB / 2 : NB;  // units per chunk
   const int64_t NO = NU * 32;            // output width
-  auto out = at::empty({P, NO}, x.options());
-  const int32_t* idp = ids.data_ptr<int32_t>();
-  for (int64_t p = 0; p < P; ++p)
-    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "expert_ids[", p, "] = ", idp[p], " is outside [0, ", E, ")");
-  if (P == 0 || NO == 0) return out;
-#if LT_W4_TILES
   // runs of one expert, long ones cut into balanced chunks of at most chunk_rows
   const int64_t chunk_rows = std::max<int64_t>(kMmRows, kChunkBytes / (2 * K) / kMmRows * kMmRows);
   std::vector<Chunk> chunks;
@@ -294,7 +265,6 @@ at::Tensor w4a16_experts_mm(const at::Tensor& x_in, const at::Tensor& ids_in, co
     }
     p0 = p1;
   }
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   std::vector<float> xsum;  // [P, G], the rows of short runs only
   if (any_gemv) {
     xsum.resize(static_cast<size_t>(P * G));
@@ -302,10 +272,6 @@ at::Tensor w4a16_experts_mm(const at::Tensor& x_in, const at::Tensor& ids_in, co
       if (ch.gemv)
         for (int64_t p = ch.row0; p < ch.row0 + ch.rows; ++p) group_sums(xp + p * K, G, group_size, &xsum[p * G]);
   }
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int16_t* zp = zeros.data_ptr<int16_t>();
-  const at::BFloat16* sp = scales.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t units = static_cast<int64_t>(chunks.size()) * NU;
   const int64_t block_bytes = (K / 4) * 64, block_groups = G * 32;
   // a range of at most ~1 MB of weights (per row group of 4 / 8 rows): long enough for the prefetchers, short
@@ -367,8 +333,150 @@ at::Tensor w4a16_experts_mm(const at::Tensor& x_in, const at::Tensor& ids_in, co
       ++u;
     }
   });
+}
+
+}  // namespace
+#endif
+
+bool has_w4_experts() { return LT_W4_TILES != 0; }
+
+namespace {
+
+// The stacked tiles' checks shared by both entry points; returns (E, NB, G).
+std::tuple<int64_t, int64_t, int64_t> check_tiles(const char* what, int64_t K, const at::Tensor& packed,
+                                                  const at::Tensor& zeros, const at::Tensor& scales,
+                                                  int64_t group_size) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(3) == 64 &&
+                  packed.is_contiguous() && packed.device().is_cpu(),
+              what, ": packed must be contiguous uint8 [E, N/32, K/4, 64]");
+  const int64_t E = packed.size(0), NB = packed.size(1);
+  TORCH_CHECK(packed.size(2) * 4 == K, what, ": the input has ", K, " channels, the weight ", packed.size(2) * 4);
+  TORCH_CHECK(K > 0, what, ": the input must have channels");
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && K % group_size == 0,
+              what, ": group_size must be a multiple of 8 dividing K (", K, "), got ", group_size);
+  const int64_t G = K / group_size;
+  TORCH_CHECK(zeros.scalar_type() == at::kShort && zeros.sizes() == at::IntArrayRef({E, NB, G, 2, 16}) &&
+                  zeros.is_contiguous(),
+              what, ": zeros must be contiguous int16 [E, N/32, G, 2, 16] = [", E, ", ", NB, ", ", G, ", 2, 16], got ",
+              zeros.scalar_type(), " ", zeros.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.sizes() == at::IntArrayRef({E, NB, G, 2, 16}) &&
+                  scales.is_contiguous(),
+              what, ": scales must be contiguous bfloat16 [E, N/32, G, 2, 16] = [", E, ", ", NB, ", ", G,
+              ", 2, 16], got ", scales.scalar_type(), " ", scales.sizes());
+  return {E, NB, G};
+}
+
+}  // namespace
+
+// x bfloat16 [P, K], expert_ids int32 [P] in [0, E) → bfloat16 [P, N] (act: [P, N/2] = silu(gate) * up); see the
+// comment at the top. Raises when built without AVX-512 BF16.
+at::Tensor w4a16_experts_mm(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& packed,
+                            const at::Tensor& zeros, const at::Tensor& scales, int64_t group_size, bool act,
+                            int64_t max_gemv_rows) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
+              "x must be a CPU bfloat16 [P, K]");
+  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kInt && ids_in.device().is_cpu(),
+              "expert_ids must be a CPU int32 [P]");
+  TORCH_CHECK(ids_in.size(0) == x_in.size(0), "expert_ids has ", ids_in.size(0), " entries, x ", x_in.size(0), " rows");
+  const at::Tensor x = x_in.contiguous(), ids = ids_in.contiguous();
+  const int64_t P = x.size(0), K = x.size(1);
+  const auto [E, NB, G] = check_tiles("w4a16_experts_mm", K, packed, zeros, scales, group_size);
+  (void)G;
+  TORCH_CHECK(!act || NB % 2 == 0, "act=True needs the gate and up halves of N = ", NB * 32,
+              " each a multiple of 32 (N a multiple of 64)");
+  TORCH_CHECK(max_gemv_rows >= 0, "max_gemv_rows must be >= 0");
+  const int64_t NO = (act ? NB / 2 : NB) * 32;  // output width
+  auto out = at::empty({P, NO}, x.options());
+  const int32_t* idp = ids.data_ptr<int32_t>();
+  for (int64_t p = 0; p < P; ++p)
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "expert_ids[", p, "] = ", idp[p], " is outside [0, ", E, ")");
+  if (P == 0 || NO == 0) return out;
+#if LT_W4_TILES
+  experts_pass(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), P, K, idp, packed.data_ptr<uint8_t>(),
+               zeros.data_ptr<int16_t>(), scales.data_ptr<at::BFloat16>(), NB, group_size, act, max_gemv_rows,
+               out.data_ptr<at::BFloat16>());
 #else
   TORCH_CHECK(false, "w4a16_experts_mm needs a build with AVX-512 BF16 (this build has has_w4_experts() == False)");
+#endif
+  return out;
+}
+
+// The whole routed-experts operation of a sparse MLP block in one call: x bfloat16 [T, H], topk_ids int32 or int64
+// [T, k] in [0, E), topk_weights bfloat16 [T, k] -> bfloat16 [T, H] with
+//   out[t] = bf16( sum_j float(w[t, j]) * float(y[t, j]) ),  y[t, j] = down_e(silu(gate_e(x[t])) * up_e(x[t])) (bf16)
+// e = topk_ids[t, j], the sum in float32 in slot order j = 0..k-1. The (token, slot) rows are sorted by expert
+// (a stable counting sort: a token's rows keep their order within an expert), gathered, sent through the gate+up
+// pass (act=True) and the down pass of w4a16_experts_mm's arithmetic, and summed per token: the same numbers as
+// w4a16_experts_mm twice plus a float32 weighted sum, without the Python between them.
+at::Tensor w4a16_moe(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& w_in,
+                     const at::Tensor& gu_packed, const at::Tensor& gu_zeros, const at::Tensor& gu_scales,
+                     int64_t gu_group_size, const at::Tensor& d_packed, const at::Tensor& d_zeros,
+                     const at::Tensor& d_scales, int64_t d_group_size, int64_t max_gemv_rows) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
+              "w4a16_moe: x must be a CPU bfloat16 [T, H]");
+  TORCH_CHECK(ids_in.dim() == 2 && (ids_in.scalar_type() == at::kInt || ids_in.scalar_type() == at::kLong) &&
+                  ids_in.size(0) == x_in.size(0),
+              "w4a16_moe: topk_ids must be int32 or int64 [T, k] with T = x's rows (", x_in.size(0), "), got ",
+              ids_in.scalar_type(), " ", ids_in.sizes());
+  TORCH_CHECK(w_in.sizes() == ids_in.sizes() && w_in.scalar_type() == at::kBFloat16,
+              "w4a16_moe: topk_weights must be bfloat16 of topk_ids' shape ", ids_in.sizes(), ", got ",
+              w_in.scalar_type(), " ", w_in.sizes());
+  TORCH_CHECK(max_gemv_rows >= 0, "w4a16_moe: max_gemv_rows must be >= 0");
+  const at::Tensor x = x_in.contiguous(), ids = ids_in.to(at::kInt).contiguous(), w = w_in.contiguous();
+  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), P = T * k;
+  const auto [E, NB, G] = check_tiles("w4a16_moe gate_up", H, gu_packed, gu_zeros, gu_scales, gu_group_size);
+  (void)G;
+  TORCH_CHECK(NB % 2 == 0, "w4a16_moe: gate_up's N = ", NB * 32, " must be gate and up of a multiple of 32 each");
+  const int64_t I = NB / 2 * 32;
+  const auto [E2, NBd, Gd] = check_tiles("w4a16_moe down", I, d_packed, d_zeros, d_scales, d_group_size);
+  (void)Gd;
+  TORCH_CHECK(E2 == E && NBd * 32 == H, "w4a16_moe: down must be [E=", E, ", H/32=", H / 32, ", ...], got [", E2,
+              ", ", NBd, ", ...]");
+  const int32_t* idp = ids.data_ptr<int32_t>();
+  for (int64_t p = 0; p < P; ++p)
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "w4a16_moe: topk_ids holds ", idp[p], ", outside [0, ", E, ")");
+  auto out = at::empty({T, H}, x.options());
+  if (T == 0 || H == 0) return out;
+#if LT_W4_TILES
+  // stable counting sort of the (token, slot) rows by expert; pos[t * k + j] = the row's place in sorted order
+  std::vector<int32_t> sorted_ids(P), pos(P), src(P);
+  {
+    std::vector<int64_t> start(E + 1, 0);
+    for (int64_t p = 0; p < P; ++p) ++start[idp[p] + 1];
+    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t s = start[idp[p]]++;
+      sorted_ids[s] = idp[p], pos[p] = static_cast<int32_t>(s), src[s] = static_cast<int32_t>(p / k);
+    }
+  }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto xs = at::empty({P, H}, x.options());
+  uint16_t* xsp = reinterpret_cast<uint16_t*>(xs.data_ptr<at::BFloat16>());
+  at::parallel_for(0, P, 256, [&](int64_t a, int64_t b) {
+    for (int64_t s = a; s < b; ++s) std::copy(xp + src[s] * H, xp + src[s] * H + H, xsp + s * H);
+  });
+  auto h = at::empty({P, I}, x.options());
+  experts_pass(xsp, P, H, sorted_ids.data(), gu_packed.data_ptr<uint8_t>(), gu_zeros.data_ptr<int16_t>(),
+               gu_scales.data_ptr<at::BFloat16>(), NB, gu_group_size, true, max_gemv_rows, h.data_ptr<at::BFloat16>());
+  auto y = at::empty({P, H}, x.options());
+  experts_pass(reinterpret_cast<const uint16_t*>(h.data_ptr<at::BFloat16>()), P, I, sorted_ids.data(),
+               d_packed.data_ptr<uint8_t>(), d_zeros.data_ptr<int16_t>(), d_scales.data_ptr<at::BFloat16>(), NBd,
+               d_group_size, false, max_gemv_rows, y.data_ptr<at::BFloat16>());
+  const at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, T, 16, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t)
+      for (int64_t c = 0; c < H; c += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < k; ++j)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(wp[t * k + j])),
+                                lt_avx512::load16(yp + pos[t * k + j] * H + c), acc);
+        lt_avx512::store16(op + t * H + c, acc);
+      }
+  });
+#else
+  TORCH_CHECK(false, "w4a16_moe needs a build with AVX-512 BF16 (this build has has_w4_experts() == False)");
 #endif
   return out;
 }

@@ -411,19 +411,14 @@ class LlamaModel:
         return logits if sh is None else sh.gather_logits(logits, be)
 
     def sparse_mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        """A sparse layer's MLP for ``x [T, hidden]``: router logits (a float32 GEMM rounded to ``x.dtype``), softmax in
-        float32, the top-k
-        experts (renormalised when the family does), their weighted sum through the backend's grouped experts
-        operation, plus the shared expert scaled by ``sigmoid(shared_gate(x))`` when there is one (transformers'
-        ``*SparseMoeBlock``). With tensor parallelism each rank returns its part of the experts' intermediate
+        """A sparse layer's MLP for ``x [T, hidden]``: the backend's routing (router logits, a float32 GEMM rounded to
+        ``x.dtype``; softmax in float32; the top-k experts, renormalised when the family does), their weighted sum
+        through the backend's grouped experts operation, plus the shared expert scaled by ``sigmoid(shared_gate(x))``
+        when there is one (transformers' ``*SparseMoeBlock``). With tensor parallelism each rank returns its part of the experts' intermediate
         features' contribution (summed by the caller's all-reduce)."""
         be, moe = self.backend, self.cfg.moe
-        logits = torch.nn.functional.linear(x.float(), layer.router).to(x.dtype)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, moe.top_k, dim=-1)
-        if moe.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        y = be.experts(x, ids, weights.to(x.dtype), layer.experts)
+        weights, ids = be.moe_route(x, layer.router, moe.top_k, moe.norm_topk_prob)
+        y = be.experts(x, ids, weights, layer.experts)
         if layer.shared_gate_up is not None:
             shared = layer.shared_down(be.silu_and_mul(layer.shared_gate_up(x)))
             y = y + torch.sigmoid(torch.nn.functional.linear(x, layer.shared_gate)) * shared
