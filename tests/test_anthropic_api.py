@@ -169,3 +169,65 @@ def test_output_config_format_gives_valid_json(client):
                                  output_config={"format": {"type": "json_schema", "schema": pet}}, extra_body=GREEDY)
     assert msg.stop_reason == "end_turn"
     jsonschema.validate(json.loads(msg.content[0].text), pet)
+
+
+def _use(*ids: str) -> dict:
+    return {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}] + [
+        {"type": "tool_use", "id": i, "name": "get_weather", "input": {"city": "Paris"}} for i in ids]}
+
+
+def _result(*ids: str) -> dict:
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": i, "content": "18 C"} for i in ids]}
+
+
+UNANSWERED = {  # a tool_use not answered by a tool_result in the next message: (messages, the ids named)
+    "a user string": ([_use("a"), {"role": "user", "content": "thanks"}], "a"),
+    "user text blocks": ([_use("a"), {"role": "user", "content": [{"type": "text", "text": "thanks"}]}], "a"),
+    "empty user content": ([_use("a"), {"role": "user", "content": []}], "a"),
+    "a partial set": ([_use("a", "b"), _result("a")], "not b"),
+    "none of two": ([_use("a", "b"), {"role": "user", "content": "go on"}], "a, b"),
+    "the result a turn late": ([_use("a"), {"role": "user", "content": "hm"}, _result("a")], "a"),
+    "another assistant turn at the end": ([_use("a"), {"role": "assistant", "content": "It is 18 C."}], "a"),
+    "another assistant turn, then the user": ([_use("a"), {"role": "assistant", "content": "Hm."},
+                                              {"role": "user", "content": "so?"}], "a"),
+    "the end of the conversation": ([_use("a")], "a"),
+    "early in a longer conversation": ([_use("a"), {"role": "user", "content": "x"},
+                                        {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}], "a"),
+    "the second of two calls left open": ([_use("a"), _result("a"), _use("b"), {"role": "user", "content": "ok"}],
+                                          "b"),
+}
+
+
+@pytest.mark.parametrize("count_only", [False, True], ids=["messages", "count_tokens"])
+@pytest.mark.parametrize("shape", UNANSWERED)
+def test_every_unanswered_tool_use_is_400(shape, count_only):
+    """Issue 57: an assistant tool_use followed by anything but a user message answering all of its ids (no
+    tool_result at all, a plain string, some of the ids, another assistant turn, the end of the conversation) is a
+    400 naming the ids, as Anthropic answers; /v1/messages and /v1/messages/count_tokens read messages alike."""
+    msgs, ids = UNANSWERED[shape]
+    body = {"model": MODEL, "messages": PARIS + msgs, "tools": [WEATHER], **({} if count_only else {"max_tokens": 8})}
+    with pytest.raises(APIError) as e:
+        messages_api.translate(body, count_only=count_only) if count_only else \
+            messages_api.read_request(body, MODEL)
+    assert e.value.status == 400 and ids in e.value.message and "tool_result" in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("msgs", [[_use("a"), _result("a")], [_use("a", "b"), _result("b", "a")],
+                                  [_use("a"), _result("a"), {"role": "assistant", "content": "18 C."},
+                                   {"role": "user", "content": "thanks"}],
+                                  [_use("a"), {"role": "user", "content": _result("a")["content"] + [
+                                      {"type": "text", "text": "and tomorrow?"}]}]])
+def test_answered_tool_uses_are_read(msgs):
+    body = {"model": MODEL, "messages": PARIS + msgs, "tools": [WEATHER], "max_tokens": 8}
+    req = messages_api.read_request(body, MODEL)
+    assert [m["role"] for m in req.messages][:3] == ["user", "assistant", "tool"]
+
+
+def test_unanswered_tool_use_is_400_on_both_routes(served):
+    body = {"model": MODEL, "messages": PARIS + [_use("toolu_9"), {"role": "user", "content": "and?"}],
+            "tools": [WEATHER]}
+    for path, extra in (("/v1/messages", {"max_tokens": 8}), ("/v1/messages/count_tokens", {})):
+        r = httpx.post(f"{served}{path}", headers={"x-api-key": "k1"}, json={**body, **extra}, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()
+        assert err["type"] == "error" and "toolu_9" in err["error"]["message"], err

@@ -142,13 +142,24 @@ def _blocks(content: list, where: str, role: str, open_ids: list[str]) -> tuple[
     return texts, calls, results
 
 
+def _unanswered(at: int, ids: list[str], what: str) -> APIError:
+    """The 400 of assistant message ``at``'s ``tool_use`` blocks ``ids`` that ``what`` (the next message, or the end
+    of the conversation) does not answer (Anthropic's rule and wording)."""
+    return _bad(f"messages[{at}]", f"has tool_use ids without tool_result blocks immediately after: "
+                                   f"{', '.join(ids)} ({what}). Each tool_use block must have a corresponding "
+                                   f"tool_result block in the next message, a user message")
+
+
 def _messages(raw: Any) -> list[dict]:
-    """Messages as chat completion messages; every ``tool_result`` must answer a ``tool_use`` of the assistant
-    message just before (400 naming the block otherwise)."""
+    """Messages as chat completion messages. Every ``tool_result`` must answer a ``tool_use`` of the assistant
+    message just before, and every ``tool_use`` must be answered by a ``tool_result`` in the message right after it,
+    which is a user message (400 naming the message otherwise: a user message without results or with some, another
+    assistant message, or the end of the conversation after the ``tool_use``)."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages", "must be a non-empty list of {\"role\": \"user\" | \"assistant\", \"content\": ...}")
     out: list[dict] = []
     open_ids: list[str] = []  # the tool_use ids of the last assistant message, not yet answered
+    open_at = -1  # that message's index
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
@@ -162,21 +173,27 @@ def _messages(raw: Any) -> list[dict]:
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
             raise _bad(f"{where}.content", "must be a string or a list of content blocks")
+        if open_ids and m["role"] == "assistant":
+            raise _unanswered(open_at, open_ids, f"{where} is another assistant message")
         texts, calls, results = _blocks(content, where, m["role"], open_ids)
         if m["role"] == "assistant":
-            open_ids = [c["id"] for c in calls]
+            open_ids, open_at = [c["id"] for c in calls], i
             msg: dict = {"role": "assistant", "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
             continue
-        if results and open_ids:
+        if open_ids and results:
             raise _bad(where, f"answers some tool_use blocks but not {', '.join(open_ids)}: give a tool_result for "
-                              f"every tool_use of the assistant message before")
+                              f"every tool_use of the assistant message before (messages[{open_at}])")
+        if open_ids:
+            raise _unanswered(open_at, open_ids, f"{where} has no tool_result")
         open_ids = []
         out.extend(results)
         if texts:
             out.append({"role": "user", "content": "\n".join(texts)})
+    if open_ids:
+        raise _unanswered(open_at, open_ids, "the conversation ends after it")
     return out
 
 
