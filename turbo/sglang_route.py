@@ -15,6 +15,19 @@ session, opened by its first turn (its system prompt a leading system message; :
 ``liteturbo route --builtin`` runs liteturbo's own proxy
 (:mod:`turbo.router`), which routes the sessions REST API as well (docs/serving.md, "Replicas and routing").
 
+What sglang-router writes into the bodies it forwards (its request types' serde defaults, recorded from
+sglang-router 0.3.2 in front of a worker that logged what reached it) is here, for the replica's request readers to
+accept: a missing ``model`` arrives as :data:`ROUTER_MODEL` ("unknown"; no header tells a router's request from a
+client's, so a replica takes that name as "not given"), and :data:`ROUTER_FILLS` lists, per endpoint, the fields it
+adds at the values it gives them that liteturbo reads nowhere else (accepted at those values, which are what liteturbo
+does anyway; another value is a feature liteturbo lacks, a 400 naming it). The other fields it fills are ones the
+replica reads anyway, at harmless values: chat ``logprobs: false``, ``stream: false``, ``ignore_eos: false``,
+``max_tokens`` renamed ``max_completion_tokens``, ``tool_choice`` ``"auto"`` beside tools (``"none"`` beside an
+empty list); completions ``stream``, ``echo: false``, ``ignore_eos``; responses ``store: true``, ``stream: null``,
+``temperature: 1.0``, ``top_p: 1.0``, ``top_k: -1``, ``min_p: 0.0``, ``repetition_penalty: 1.0``,
+``parallel_tool_calls: true`` and ``tool_choice: "auto"`` beside tools. (It does not route ``/v1/messages``, and it
+requires ``model`` in a completion.)
+
 :func:`router_command` builds the command line; :func:`launch` replaces this process with it.
 """
 from __future__ import annotations
@@ -24,6 +37,13 @@ import os
 import sys
 
 ROUTING_KEY_HEADER = "x-smg-routing-key"
+ROUTER_MODEL = "unknown"  # what sglang-router writes as the model of a request that names none
+ROUTER_FILLS = {  # endpoint -> {field: the value sglang-router adds}, for fields liteturbo reads nowhere else
+    "chat": {"continue_final_message": False, "no_stop_trim": False, "return_hidden_states": False,
+             "separate_reasoning": True, "skip_special_tokens": True, "stream_reasoning": True},
+    "completion": {"no_stop_trim": False, "return_hidden_states": False, "skip_special_tokens": True},
+    "responses": {"priority": 0},
+}
 
 
 def router_command(replicas: list[str], host: str = "127.0.0.1", port: int = 23333, health_interval: float = 1.0,

@@ -23,6 +23,7 @@ from lite.formats import LiteturboError
 from ..config import LIST_KINDS, SAMPLING, SAMPLING_FIELDS, GenerationConfig, SamplingField, bound_text
 from ..http_errors import APIError
 from ..session_ids import session_id_problem
+from ..sglang_route import ROUTER_FILLS, ROUTER_MODEL
 from . import tools
 from .structured import read_constraint
 
@@ -244,9 +245,10 @@ def gen_config(session_len: int, *layers: dict) -> GenerationConfig:
 # --- fields every generating endpoint reads -------------------------------------------------------------------------
 
 def check_model(b: Body, model_id: str) -> None:
-    """404 when ``model`` is given and is not the served one (leaving it out is fine)."""
+    """404 when ``model`` is given and is not the served one (leaving it out is fine, and so is
+    :data:`~turbo.sglang_route.ROUTER_MODEL`, what sglang-router writes in place of a missing one)."""
     model = b.raw("model")
-    if model is not None and model != model_id:
+    if model is not None and model != model_id and model != ROUTER_MODEL:
         raise APIError(404, f"the model {json.dumps(model)[:100]} does not exist; this server serves "
                             f"'{model_id}' (GET /v1/models)", param="model", code="model_not_found")
 
@@ -435,17 +437,12 @@ def read_on_disconnect(b: Body) -> bool:
     return how == "keep"
 
 
-# fields sglang-router writes into every chat completion it forwards (its request type's defaults): accepted at those
-# values, which are what liteturbo does anyway; another value is a feature liteturbo does not have (400 naming it)
-SGLANG_ROUTER_DEFAULTS = {"continue_final_message": False, "no_stop_trim": False, "return_hidden_states": False,
-                          "separate_reasoning": True, "skip_special_tokens": True, "stream_reasoning": True}
-
-
-def read_router_defaults(b: Body) -> None:
-    """Accept :data:`SGLANG_ROUTER_DEFAULTS` at their default values; 400 naming the field otherwise."""
-    for name, default in SGLANG_ROUTER_DEFAULTS.items():
+def read_router_defaults(b: Body, endpoint: str) -> None:
+    """Accept the fields sglang-router writes into ``endpoint``'s requests (:data:`~turbo.sglang_route.ROUTER_FILLS`)
+    at the values it gives them; 400 naming the field otherwise."""
+    for name, default in ROUTER_FILLS[endpoint].items():
         v = b.raw(name)
-        if v is not None and v is not default:
+        if v is not None and (v != default or type(v) is not type(default)):
             raise APIError(400, f"'{name}' {json.dumps(v)[:40]} is not supported (liteturbo accepts only "
                                 f"{json.dumps(default)}, as sglang-router sends it by default); leave it out",
                            param=name)
@@ -458,7 +455,7 @@ def read_chat(data: dict, model_id: str, routing_key: str | None = None) -> Chat
     body fields): a session id there (``sess-`` + 24 lowercase hex digits) makes the request a turn of that session,
     opened on first use, as ``session_id`` with ``create_session`` would; another key is only the router's."""
     b = Body(data, "a chat completion request")
-    read_router_defaults(b)
+    read_router_defaults(b, "chat")
     stream, include_usage, n = read_common(b, model_id, chat=True)
     sid = b.str("session_id")
     keyed = routing_key is not None and routing_key.startswith("sess-")  # meant as a session id
@@ -500,6 +497,7 @@ def read_chat(data: dict, model_id: str, routing_key: str | None = None) -> Chat
 def read_completion(data: dict, model_id: str) -> CompletionRequest:
     """A completion request's fields (400 / 404 naming the field)."""
     b = Body(data, "a completion request")
+    read_router_defaults(b, "completion")
     stream, include_usage, n = read_common(b, model_id, chat=False)
     if not b.has("prompt"):
         raise APIError(400, "'prompt' is required: a string or a list of token ids", param="prompt")

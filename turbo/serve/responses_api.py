@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator
 
 from ..errors import Conflict, NotFound, OverCapacity
 from ..http_errors import APIError
+from ..sglang_route import ROUTER_FILLS
 from . import protocol
 from .response_store import ResponseStore, StoredResponse
 from .responses import EventStream, Job, ReplyDeltas, engine_error, sse_response
@@ -213,7 +214,8 @@ def _chat_body(data: dict, messages: list[dict]) -> tuple[dict, dict, list | Non
         body["tool_choice"] = choice
     if "max_output_tokens" in data:
         body["max_tokens"] = data.pop("max_output_tokens")
-    for name in ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "user", "speculative"):
+    for name in ("model", "stream", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "parallel_tool_calls", "user", "speculative"):
         if name in data:
             body[name] = data.pop(name)
     if data:
@@ -227,6 +229,9 @@ def _chat_body(data: dict, messages: list[dict]) -> tuple[dict, dict, list | Non
 def read_request(data: dict, model_id: str, store: ResponseStore) -> ResponsesRequest:
     """A ``POST /v1/responses`` body (400 naming the field; 404 for an unknown ``previous_response_id``)."""
     data = dict(data)
+    # what sglang-router adds to every response it forwards (turbo/sglang_route.py), at its values only
+    fills = {name: data.pop(name) for name in ROUTER_FILLS["responses"] if name in data}
+    protocol.read_router_defaults(protocol.Body(fills, "a responses request"), "responses")
     for name, (harmless, why) in _REFUSED.items():
         v = data.pop(name, None)
         if v is not None and not harmless(v):
