@@ -142,8 +142,11 @@ def test_incomplete_and_delete(client):
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
-    with pytest.raises(openai.NotFoundError):
-        client.responses.create(model=MODEL, input="x", previous_response_id=r.id)
+    for gone in (r.id, "resp_" + "0" * 32, "not-an-id"):  # deleted, never stored, malformed: OpenAI's 400 and code
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model=MODEL, input="x", previous_response_id=gone)
+        assert e.value.code == "previous_response_not_found" and e.value.param == "previous_response_id"
+        assert gone in e.value.message
 
 
 def test_stored_responses_survive_a_restart(engine, served, session_dir, client):

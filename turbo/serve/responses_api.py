@@ -227,7 +227,8 @@ def _chat_body(data: dict, messages: list[dict]) -> tuple[dict, dict, list | Non
 
 
 def read_request(data: dict, model_id: str, store: ResponseStore) -> ResponsesRequest:
-    """A ``POST /v1/responses`` body (400 naming the field; 404 for an unknown ``previous_response_id``)."""
+    """A ``POST /v1/responses`` body (400 naming the field; 400 ``previous_response_not_found`` for an unknown
+    ``previous_response_id``, as OpenAI answers)."""
     data = dict(data)
     # what sglang-router adds to every response it forwards (turbo/sglang_route.py), at its values only
     fills = {name: data.pop(name) for name in ROUTER_FILLS["responses"] if name in data}
@@ -246,10 +247,11 @@ def read_request(data: dict, model_id: str, store: ResponseStore) -> ResponsesRe
     previous = None
     if prev_id is not None:
         previous = store.get(prev_id)
-        if previous is None:
-            raise APIError(404, f"no stored response {json.dumps(prev_id)[:80]}: it was never stored (store: false), "
-                                f"was deleted, or belongs to another server", param="previous_response_id",
-                           code="response_not_found")
+        if previous is None:  # 400 with this code, as OpenAI answers it (clients recover by the code)
+            raise APIError(400, f"Previous response with id {json.dumps(prev_id)[:80]} not found: it was never "
+                                f"stored (store: false), was deleted, or belongs to another server; send the whole "
+                                f"conversation as input instead", param="previous_response_id",
+                           code="previous_response_not_found")
     system = data.pop("instructions", None)
     if system is not None and not isinstance(system, str):
         raise _bad("instructions", "'instructions' must be a string")
