@@ -231,3 +231,31 @@ def test_unanswered_tool_use_is_400_on_both_routes(served):
         assert r.status_code == 400, (path, r.text)
         err = r.json()
         assert err["type"] == "error" and "toolu_9" in err["error"]["message"], err
+
+
+def _stream_usages(url: str, body: dict) -> tuple[dict, dict]:
+    """(message_start's usage, message_delta's usage) of a streamed Messages request."""
+    r = httpx.post(f"{url}/v1/messages", headers={"x-api-key": "k1"}, json={**body, "stream": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
+    assert [e["type"] for e in events][0] == "message_start" and events[-1]["type"] == "message_stop"
+    return events[0]["message"]["usage"], next(e for e in events if e["type"] == "message_delta")["usage"]
+
+
+def test_input_tokens_mean_one_thing_in_the_stream_the_reply_and_count_tokens(served, client):
+    """Issue 57: message_start counted prefix-cache hits in input_tokens and message_delta did not. Now both, and the
+    non-streamed reply, say input_tokens = the prompt less cache_read_input_tokens (Anthropic's meaning), and
+    count_tokens = their sum, with nothing cached and with the whole conversation cached."""
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "system": "You count tokens.",
+            "messages": [{"role": "user", "content": "A sentence of a few words to count, then cache."}]}
+    n = client.messages.count_tokens(model=MODEL, system=body["system"], messages=body["messages"]).input_tokens
+    inputs = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    cached = []
+    for _ in range(2):  # the second time the prompt's full blocks are in the prefix cache
+        start, delta = _stream_usages(served, body)
+        assert {k: start[k] for k in inputs} == {k: delta[k] for k in inputs}, (start, delta)
+        assert start["input_tokens"] + start["cache_read_input_tokens"] == n and start["output_tokens"] == 0
+        whole = httpx.post(f"{served}/v1/messages", headers={"x-api-key": "k1"}, json=body, timeout=120).json()
+        assert whole["usage"]["input_tokens"] + whole["usage"]["cache_read_input_tokens"] == n
+        cached.append(start["cache_read_input_tokens"])
+    assert cached[0] == 0 < cached[1]  # a new prompt, then the same one read from the cache (its full 16-token blocks)

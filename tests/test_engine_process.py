@@ -124,6 +124,24 @@ def test_a_client_that_goes_away_frees_its_blocks(served):
     assert "liteturbo_kv_blocks_used 0.0" in metrics
 
 
+def test_a_messages_stream_knows_the_cached_prompt_tokens_from_the_engine_process(served):
+    """The prefix-cache hits of a request reach the front with its first output (``Out.cached``), so a Messages
+    stream's message_start gives the same input usage as its message_delta (issue 57)."""
+    http, _ = served
+    body = {"model": "tiny", "max_tokens": 3, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "the first of the new year and the last of the old one"}]}
+    cached = []
+    for _ in range(2):
+        r = http.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+        ev = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
+        start, delta = ev[0]["message"]["usage"], next(e for e in ev if e["type"] == "message_delta")["usage"]
+        assert start["input_tokens"] == delta["input_tokens"] and \
+            start["cache_read_input_tokens"] == delta["cache_read_input_tokens"], (start, delta)
+        cached.append(start["cache_read_input_tokens"])
+    assert cached[0] == 0 < cached[1]
+
+
 def test_both_engine_clients_have_every_method_of_the_protocol_with_its_parameters():
     members = [n for n, v in vars(EngineClient).items() if not n.startswith("_") and (callable(v) or
                                                                                        isinstance(v, property))]
@@ -140,10 +158,11 @@ def test_messages_pickle_and_errors_keep_their_type():
     out = messages.Out()
     out.add(3, "hi", [7, 8], [None, None])
     out.add(3, "", [], [], messages.WireError.of(OverCapacity("full", retry_after=2.5)))
-    out.add(4, "", [9], [None], messages.WireError.of(RuntimeError("kernel")))
+    out.add(4, "", [9], [None], messages.WireError.of(RuntimeError("kernel")), cached=12)
     back = pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
     assert back == out and len(back) == 3 and [rid for rid, *_ in back.items()] == [3, 3, 4]
-    full, kernel = (end.exception() for *_, end in list(back.items())[1:])
+    assert [cached for *_, cached in back.items()] == [-1, -1, 12]
+    full, kernel = (end.exception() for *_, end, _ in list(back.items())[1:])
     assert isinstance(full, OverCapacity) and full.retry_after == 2.5
     assert isinstance(kernel, InternalError) and "RuntimeError: kernel" in str(kernel)
     ack = pickle.loads(pickle.dumps(messages.Ack(5, error=messages.WireError.of(Conflict("busy")))))

@@ -152,28 +152,32 @@ class Out:
     """One loop turn's outputs, a column per field (as SGLang's ``BatchTokenIDOut``, so that a turn pickles as a few
     flat lists): item ``i`` is request ``rids[i]``'s new ``texts[i]``, token ``ids[i]`` and their ``logprobs[i]``;
     ``ends[i]`` is ``None``, or, when the request ended, its :class:`~turbo.core.request.GenerationOutput` or the
-    :class:`WireError` that ended it. A request may have two items in one turn (its last text, then its end)."""
+    :class:`WireError` that ended it; ``cached[i]`` is how many of its prompt tokens were read from the prefix cache
+    (or its session's KV), known from its first step on (-1 before). A request may have two items in one turn (its
+    last text, then its end)."""
 
     rids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list] = field(default_factory=list)
     ends: list = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
 
-    def add(self, rid: int, text: str, ids: list[int], logprobs: list, end: Any = None) -> None:
-        """Append one item (request ``rid``'s new text, token ids, logprobs and end) to the columns."""
+    def add(self, rid: int, text: str, ids: list[int], logprobs: list, end: Any = None, cached: int = -1) -> None:
+        """Append one item (request ``rid``'s new text, token ids, logprobs, end and cached prompt tokens)."""
         self.rids.append(rid)
         self.texts.append(text)
         self.ids.append(ids)
         self.logprobs.append(logprobs)
         self.ends.append(end)
+        self.cached.append(cached)
 
     def __len__(self) -> int:
         return len(self.rids)
 
     def items(self):
-        """(rid, text, ids, logprobs, end) per item, in order."""
-        return zip(self.rids, self.texts, self.ids, self.logprobs, self.ends)
+        """(rid, text, ids, logprobs, end, cached) per item, in order."""
+        return zip(self.rids, self.texts, self.ids, self.logprobs, self.ends, self.cached)
 
 
 @dataclass(slots=True)

@@ -47,12 +47,15 @@ STALL_RETRY_AFTER = 5.0  # seconds a request refused during a stall is told to w
 
 class RemoteRequest:
     """What the front knows of a request in the engine process: ``output_ids``, ``logprobs`` (per token, when
-    asked) and ``stop_ids`` (ids whose text is never shown)."""
+    asked), ``stop_ids`` (ids whose text is never shown) and ``cached_tokens`` (prompt tokens read from the prefix
+    cache or the session's KV; -1 until its first step's output arrived), as a
+    :class:`~turbo.core.request.Request` of this process has them."""
 
     def __init__(self) -> None:
         self.output_ids: list[int] = []
         self.logprobs: list = []
         self.stop_ids: set[int] = set()
+        self.cached_tokens = -1
 
 
 class RemoteHandle(RequestHandle):
@@ -70,8 +73,10 @@ class RemoteHandle(RequestHandle):
         if not self._ended:
             self.client.send(Cancel(self.rid, reason))
 
-    def feed(self, text: str, ids: list[int], lps: list, end) -> None:
+    def feed(self, text: str, ids: list[int], lps: list, end, cached: int = -1) -> None:
         """Receiver thread: a turn's output of this request."""
+        if cached >= 0:
+            self.request.cached_tokens = cached
         self.request.output_ids.extend(ids)
         self.request.logprobs.extend(lps)
         if text:
@@ -289,14 +294,14 @@ class MPClient:
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, Out):
-            for rid, text, ids, lps, end in msg.items():
+            for rid, text, ids, lps, end, cached in msg.items():
                 h = self._handles.get(rid)
                 if h is None:
                     continue
                 if end is not None:
                     self._handles.pop(rid, None)
                     end = self._end(end)
-                h.feed(text, ids, lps, end)
+                h.feed(text, ids, lps, end, cached)
         elif isinstance(msg, Ack):
             h = self._handles.get(msg.rid)
             if h is not None:

@@ -77,12 +77,13 @@ class EngineProcess:
         req = handle.request
         n0, n = handle.ids_sent, len(req.output_ids)
         handle.ids_sent = n
-        ids, lps = req.output_ids[n0:n], req.logprobs[n0:n]
+        ids, lps, cached = req.output_ids[n0:n], req.logprobs[n0:n], req.cached_tokens
         if isinstance(item, str):
-            self.batch.add(handle.rid, item, ids, lps)
+            self.batch.add(handle.rid, item, ids, lps, cached=cached)
             return
         self.handles.pop(handle.rid, None)
-        self.batch.add(handle.rid, "", ids, lps, WireError.of(item) if isinstance(item, BaseException) else item)
+        self.batch.add(handle.rid, "", ids, lps, WireError.of(item) if isinstance(item, BaseException) else item,
+                       cached)
 
     def flush(self) -> None:
         """End of a loop turn: send its outputs as one message (with requests open and nothing to send, an empty one

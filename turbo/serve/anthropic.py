@@ -21,8 +21,11 @@ fields that change nothing here are accepted (``cache_control``: the prefix cach
 ``speed``, ``diagnostics``, ``user_profile_id``, ``workspace_id``; ``output_config.effort``, for a model without a
 reasoning format). The official client no longer sends ``temperature`` / ``top_p`` / ``top_k``; the API still
 reads them (``extra_body``), with Anthropic's default temperature 1.
-Token counts follow Anthropic's usage: ``input_tokens`` is the prompt less the tokens read from the prefix cache
-(``cache_read_input_tokens``).
+Token counts follow Anthropic's usage everywhere (the reply, ``message_start`` and ``message_delta`` of a stream):
+``input_tokens`` is the prompt less the tokens read from the prefix cache (``cache_read_input_tokens``), and
+``count_tokens`` answers the whole prompt, their sum (it runs nothing, so it cannot know what the cache will hold,
+as Anthropic's cannot). ``message_start`` therefore goes out with the first piece of the reply, when the request's
+first step has said how much of the prompt was cached.
 """
 from __future__ import annotations
 
@@ -302,10 +305,16 @@ def _stop(out, stops: list[str], tokenizer, called: bool, stopped: bool) -> tupl
     return "end_turn", None
 
 
-def _usage(out, output_tokens: int | None = None) -> dict:
-    return {"input_tokens": out.prompt_tokens - out.cached_tokens, "cache_read_input_tokens": out.cached_tokens,
-            "cache_creation_input_tokens": 0,
-            "output_tokens": len(out.token_ids) if output_tokens is None else output_tokens}
+def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict:
+    """The input half of a Messages ``usage``, Anthropic's meaning: ``input_tokens`` the prompt tokens not read from
+    the prefix cache, ``cache_read_input_tokens`` those read from it (the two add up to the prompt, what
+    ``count_tokens`` answers), no cache writes billed apart."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens,
+            "cache_creation_input_tokens": 0}
+
+
+def _usage(out) -> dict:
+    return {**_input_usage(out.prompt_tokens, out.cached_tokens), "output_tokens": len(out.token_ids)}
 
 
 def _tool_use(call: dict) -> dict:
@@ -330,11 +339,18 @@ def _event(kind: str, data: dict) -> str:
 
 async def _events(job: Job, handle, stops: list[str], tokenizer, input_tokens: int) -> AsyncIterator[str]:
     index, open_block, called = 0, None, False  # open_block: None, "text" or "tool_use"
-    try:
-        yield _event("message_start", {"message": {
+    started = False
+
+    def start(cached: int) -> str:
+        """``message_start``, sent once the request's first step said how much of the prompt was cached (its
+        first piece of text), or at the end: its usage is the final one's input half."""
+        nonlocal started
+        started = True
+        return _event("message_start", {"message": {
             "id": job.id, "type": "message", "role": "assistant", "model": job.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 0}}})
+            "usage": {**_input_usage(input_tokens, max(cached, 0)), "output_tokens": 0}}})
+    try:
 
         def blocks(deltas: list[dict]) -> list[str]:
             """Events of the reader's deltas: text goes to an open text block; a call (its id and name first,
@@ -367,9 +383,13 @@ async def _events(job: Job, handle, stops: list[str], tokenizer, input_tokens: i
 
         deltas = ReplyDeltas(job, handle)
         async for ds in deltas:
+            if not started:
+                yield start(handle.request.cached_tokens if handle.output is None else handle.output.cached_tokens)
             for e in blocks(ds):
                 yield e
         out, stopped = handle.output, deltas.stopped
+        if not started:
+            yield start(out.cached_tokens)
         if open_block:
             yield _event("content_block_stop", {"index": index})
         reason, seq = _stop(out, stops, tokenizer, called, stopped)
@@ -384,5 +404,5 @@ async def _events(job: Job, handle, stops: list[str], tokenizer, input_tokens: i
 
 def event_stream(job: Job, handle, stops: list[str], tokenizer, input_tokens: int) -> EventStream:
     """The streamed answer of a Messages request: Anthropic's typed server-sent events (``input_tokens``: the
-    prompt's length, for ``message_start``; the final usage is in ``message_delta``)."""
+    prompt's length; ``message_start`` and ``message_delta`` give the same input usage)."""
     return sse_response([handle], _events(job, handle, stops, tokenizer, input_tokens))
