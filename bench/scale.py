@@ -272,6 +272,8 @@ def measure_moe_size(size: str, args, notes: list[str]) -> dict:
         for name in (("turbo", "llama_cpp") if i % 2 == 0 else ("llama_cpp", "turbo")):
             if name == "llama_cpp" and not lc_spec:
                 continue
+            if alone:  # the other engine's file out of the page cache: see _drop_page_cache
+                _drop_page_cache([gguf] if name == "turbo" else [f for f in Path(w4).rglob("*") if f.is_file()])
             out = run_part(name, turbo_spec if name == "turbo" else lc_spec, args.part_timeout, notes)
             if out:
                 rounds[name].append(out)
@@ -318,6 +320,23 @@ def measure_moe_size(size: str, args, notes: list[str]) -> dict:
     row["prefill_vs_llama_cpp"] = ratio(row.get("prefill_tok_s"), row.get("llama_cpp_prefill_tok_s"))
     row["load_vs_llama_cpp"] = ratio(row["load_seconds"], row["llama_cpp_load_seconds"])
     return row
+
+
+def _drop_page_cache(paths: list) -> None:
+    """Ask the kernel to drop ``paths``' pages from the page cache (``posix_fadvise(DONTNEED)``; clean pages only,
+    nothing is written). Used before each part when the engines run alone: the previous engine's file, read
+    twice in its round, sits on the kernel's active list, and the next engine's pages (touched once while it warms
+    up) would be evicted before it, so its resident weights, peak RSS and decode would depend on the order of the
+    rounds. Each engine then starts from its own file's cached pages (or the disk) with the memory free."""
+    for p in paths:
+        try:
+            fd = os.open(str(p), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _too_big_together(w4: Path, gguf: Path | None) -> bool:

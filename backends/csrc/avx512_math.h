@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by liteturbo's CPU kernels: 16-lane loads/stores of float32, bfloat16 and float16 as
-// float32 vectors, and exp. Include only under __AVX512F__.
+// float32 vectors, exp, and the group sums of a bfloat16 row. Include only under __AVX512F__.
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -51,6 +51,25 @@ inline void store16(at::Half* p, __m512 v) {
 inline __m512 exp_any(__m512 x) {
   x = _mm512_min_ps(x, _mm512_set1_ps(88.8f));
   return exp_nonpos(x);
+}
+
+// X[g] = the sum of bfloat16 row x's inputs over group g, in float32 (group_size a multiple of 8): the W4A16
+// kernels' zero-point term, one order of summation for the dense and the experts' kernels
+inline void group_sums(const uint16_t* x, int64_t G, int64_t group_size, float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    const uint16_t* xg = x + g * group_size;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= group_size; k += 16)
+      acc = _mm512_add_ps(acc, lt_avx512::load16(reinterpret_cast<const at::BFloat16*>(xg + k)));
+    float s = _mm512_reduce_add_ps(acc);
+    if (k < group_size) {  // 8 left
+      const __m256 v = _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xg + k))), 16));
+      s += _mm512_reduce_add_ps(_mm512_zextps256_ps512(v));
+    }
+    out[g] = s;
+  }
 }
 
 }  // namespace lt_avx512

@@ -191,24 +191,6 @@ void gemv_rows(const uint16_t* x, const float* xsum, int rows, int64_t K, int64_
   }
 }
 
-// X[g] = sum of row x's inputs over group g, in float32 (group_size a multiple of 8)
-void group_sums(const uint16_t* x, int64_t G, int64_t group_size, float* out) {
-  for (int64_t g = 0; g < G; ++g) {
-    const uint16_t* xg = x + g * group_size;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= group_size; k += 16)
-      acc = _mm512_add_ps(acc, lt_avx512::load16(reinterpret_cast<const at::BFloat16*>(xg + k)));
-    float s = _mm512_reduce_add_ps(acc);
-    if (k < group_size) {  // 8 left
-      const __m256 v = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xg + k))), 16));
-      s += _mm512_reduce_add_ps(_mm512_zextps256_ps512(v));
-    }
-    out[g] = s;
-  }
-}
-
 // rows x 32 float32 sums -> bfloat16 (nearest even)
 inline void emit_plain(const float* t, int rows, at::BFloat16* out, int64_t ld) {
   for (int r = 0; r < rows; ++r)
@@ -270,7 +252,7 @@ void experts_pass(const uint16_t* xp, int64_t P, int64_t K, const int32_t* idp, 
     xsum.resize(static_cast<size_t>(P * G));
     for (const Chunk& ch : chunks)
       if (ch.gemv)
-        for (int64_t p = ch.row0; p < ch.row0 + ch.rows; ++p) group_sums(xp + p * K, G, group_size, &xsum[p * G]);
+        for (int64_t p = ch.row0; p < ch.row0 + ch.rows; ++p) lt_avx512::group_sums(xp + p * K, G, group_size, &xsum[p * G]);
   }
   const int64_t units = static_cast<int64_t>(chunks.size()) * NU;
   const int64_t block_bytes = (K / 4) * 64, block_groups = G * 32;

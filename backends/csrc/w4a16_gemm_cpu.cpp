@@ -244,9 +244,10 @@ at::Tensor w4a16_tiles_gemv(const at::Tensor& x_in, const at::Tensor& packed, co
   auto out = at::empty({M, N}, x.options());
 #if LT_W4_TILES
   // X[m, g]: the sum of row m's inputs over group g, in float32
-  const at::Tensor xsum = x.view({M, G, group_size}).to(at::kFloat).sum(-1).contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const float* sp32 = xsum.data_ptr<float>();
+  std::vector<float> xsum(static_cast<size_t>(M * G));
+  for (int64_t m = 0; m < M; ++m) lt_avx512::group_sums(xp + m * K, G, group_size, xsum.data() + m * G);
+  const float* sp32 = xsum.data();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int16_t* zp = zeros.data_ptr<int16_t>();
   const at::BFloat16* sp = scales.data_ptr<at::BFloat16>();
