@@ -129,7 +129,7 @@ def test_a_messages_stream_knows_the_cached_prompt_tokens_from_the_engine_proces
     stream's message_start gives the same input usage as its message_delta (issue 57)."""
     http, _ = served
     body = {"model": "tiny", "max_tokens": 3, "stream": True, "temperature": 0,
-            "messages": [{"role": "user", "content": "the first of the new year and the last of the old one"}]}
+            "messages": [{"role": "user", "content": "people in the world and a time of the year to come"}]}
     cached = []
     for _ in range(2):
         r = http.post("/v1/messages", json=body)
@@ -139,7 +139,7 @@ def test_a_messages_stream_knows_the_cached_prompt_tokens_from_the_engine_proces
         assert start["input_tokens"] == delta["input_tokens"] and \
             start["cache_read_input_tokens"] == delta["cache_read_input_tokens"], (start, delta)
         cached.append(start["cache_read_input_tokens"])
-    assert cached[0] == 0 < cached[1]
+    assert cached[1] > cached[0]  # the same prompt again: its full blocks come from the prefix cache
 
 
 def test_both_engine_clients_have_every_method_of_the_protocol_with_its_parameters():
@@ -269,6 +269,47 @@ def test_a_stopped_engine_is_a_stall_503_within_the_bound_and_200_after_it_resum
         assert "liteturbo_engine_stalls 1.0" in metrics
         # the stalled request was cancelled in the engine: every KV block is free again
         assert "liteturbo_kv_blocks_used 0.0" in metrics
+    finally:
+        if stopped:
+            os.kill(engine, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.e2e
+def test_an_engine_stopped_with_no_request_open_turns_health_503_within_the_stall_timeout(tiny):
+    """Issue 57: the watchdog ran only while a request was open, so an engine process stopped (or hung) while idle
+    kept /health at 200 until a request had waited out the stall timeout. Now the front pings an engine it has not
+    heard from: idle and alive, /health stays 200 well past the timeout; stopped, it turns 503 within the timeout,
+    with no request at all; resumed, 200 again within seconds."""
+    timeout = 2.0
+    proc, url = _start_server(tiny, "--stall-timeout", str(timeout))
+    engine = _engine_pid(proc)
+    stopped = False
+    try:
+        t_end = time.time() + 2.5 * timeout  # idle, alive: the pings are answered
+        while time.time() < t_end:
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+            time.sleep(0.25)
+        os.kill(engine, signal.SIGSTOP)
+        stopped, t_stop = True, time.time()
+        while (h := httpx.get(f"{url}/health", timeout=5)).status_code == 200:
+            assert time.time() - t_stop < timeout + 1.0, "/health stayed 200 past the stall timeout"
+            time.sleep(0.1)
+        waited = time.time() - t_stop
+        assert h.status_code == 503 and "no progress" in h.json()["error"]["message"], h.text
+        # the silence counts from the engine's last answer, up to one ping interval (timeout / 4) before the stop;
+        # then the watchdog's tick
+        assert 0.7 * timeout < waited < timeout + 1.0, waited
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text  # refused at once, not queued
+        os.kill(engine, signal.SIGCONT)
+        stopped, t_cont = False, time.time()
+        while httpx.get(f"{url}/health", timeout=5).status_code != 200:
+            assert time.time() - t_cont < 3.0, "/health did not return to 200 after the engine resumed"
+            time.sleep(0.1)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert "liteturbo_engine_stalls 1.0" in httpx.get(f"{url}/metrics", timeout=5).text
     finally:
         if stopped:
             os.kill(engine, signal.SIGCONT)

@@ -309,9 +309,9 @@ def chat(model, max_new_tokens, temperature, top_k, top_p, seed, system, dtype, 
               show_default=True, help="Split a thinking model's <think> text into reasoning_content (auto: when the "
                                       "chat template thinks; none: keep it in content).")
 @click.option("--stall-timeout", default=20.0, show_default=True, type=click.FloatRange(min=0.5),
-              help="Seconds the engine process may make no progress while requests are open before /health answers "
-                   "503 and they end with a 503 (a hung or stopped engine); raise it when one prefill chunk of a big "
-                   "model takes longer.")
+              help="Seconds the engine process may make no progress (idle too: the front pings it) before /health "
+                   "answers 503 and open requests end with a 503 (a hung or stopped engine); raise it when one "
+                   "prefill chunk of a big model takes longer.")
 @_device_options
 @_kv_options
 @friendly_errors

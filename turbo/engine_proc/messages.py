@@ -4,8 +4,8 @@ PUSH/PULL sockets (a local, trusted pipe between two processes of one server).
 
 front -> engine
     :class:`Submit` (a prompt's token ids), :class:`SubmitMany` (a request's ``n`` choices, queued together),
-    :class:`Chat` (a session's next turn), :class:`Cancel`, :class:`Call` (a sessions or stats method, answered by
-    :class:`Reply`), :class:`Shutdown`.
+    :class:`Chat` (a session's next turn), :class:`Cancel`, :class:`Call` (a sessions or stats method, or the
+    watchdog's ``ping``, answered by :class:`Reply`), :class:`Shutdown`.
 engine -> front
     :class:`Ready` or :class:`Failed` once at start; :class:`Ack` per submitted request (its stop ids, or the error
     that refused it); per loop turn ONE :class:`Out` with every request's new text, token ids and logprobs of that

@@ -11,13 +11,15 @@ engine process: when it dies (or says a tensor-parallel worker died), every open
 :class:`~turbo.errors.EngineDead` (503 naming the cause), ``running`` turns false (``/health`` answers 503),
 ``dead`` says why and the ``on_dead`` callbacks run (the server then exits).
 
-A watchdog thread notices an engine process that lives but makes no progress (hung in a step, or stopped): with
-requests open, the engine sends a message at least every second while its loop turns end
-(:data:`~turbo.engine_proc.process.TICK_SECONDS`); when none came for ``stall_timeout`` seconds, :attr:`stalled`
-names the stall (``/health`` answers 503, so a router takes the replica out of rotation), :attr:`stalls` counts it,
-every open request ends with :class:`~turbo.errors.EngineStalled` (503, and a cancel is sent so the engine frees
-its blocks if it moves again) and new ones are refused with it at once. The next message from the engine clears
-:attr:`stalled`.
+A watchdog thread notices an engine process that lives but makes no progress (hung in a step, or stopped), with
+requests open or none: with requests open, the engine sends a message at least every second while its loop turns
+end (:data:`~turbo.engine_proc.process.TICK_SECONDS`), and whenever nothing came for :attr:`ping_every` seconds the
+watchdog sends a ``ping`` call, which the engine's loop thread answers between steps, so an idle engine is heard from
+too. When nothing came for ``stall_timeout`` seconds (with a ping unanswered), :attr:`stalled` names the stall
+(``/health`` answers 503, so a router or a liveness probe takes the replica out of rotation before any request is
+sent to it), :attr:`stalls` counts it, every open request ends with :class:`~turbo.errors.EngineStalled` (503, and a
+cancel is sent so the engine frees its blocks if it moves again) and new ones are refused with it at once. The next
+message from the engine (the answer to a ping, when it moves again) clears :attr:`stalled`.
 """
 from __future__ import annotations
 
@@ -104,7 +106,8 @@ class MPClient:
         self.on_dead: list = []  # called once with the reason when the engine process dies
         self.dead: str | None = None
         self.stall_timeout, self.stalled, self.stalls = float(stall_timeout), None, 0
-        self._progress_at = self._busy_since = time.monotonic()
+        self.ping_every = min(1.0, self.stall_timeout / 4)  # seconds of silence before the watchdog asks
+        self._progress_at = self._pinged_at = time.monotonic()
         self._ipc = Path(tempfile.mkdtemp(prefix="liteturbo-ipc-"))
         self.ctx = zmq.Context()
         self._to = self.ctx.socket(zmq.PUSH)
@@ -134,6 +137,7 @@ class MPClient:
         self.tokenizer = load_tokenizer(self.path)
         self._thread = threading.Thread(target=self._receive, name="liteturbo-engine-receiver", daemon=True)
         self._thread.start()
+        self._progress_at = self._pinged_at = time.monotonic()  # loaded and ready: heard from now
         self._watchdog = threading.Thread(target=self._watch, name="liteturbo-engine-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -174,8 +178,6 @@ class MPClient:
             raise EngineDead(self.dead)
         if self.stalled is not None:
             raise EngineStalled(self.stalled, retry_after=STALL_RETRY_AFTER)
-        if not self._handles:
-            self._busy_since = time.monotonic()  # the stall clock starts with the first open request
         h = self._handles[msg.rid] = RemoteHandle(self, msg.rid)
         self.send(msg)
         try:
@@ -314,19 +316,23 @@ class MPClient:
             self._die(f"the engine died: {msg.why}; the server is shutting down")
 
     def _watch(self) -> None:
-        """The watchdog thread (module docs)."""
+        """The watchdog thread (module docs): a ping after :attr:`ping_every` seconds of silence (again every
+        :attr:`ping_every` seconds while none is answered), a stall after ``stall_timeout``."""
         while self.dead is None and not self._closing:
-            time.sleep(0.25)
-            if self.stalled is None and self._handles:
-                idle = time.monotonic() - max(self._progress_at, self._busy_since)
-                if idle > self.stall_timeout:
-                    self._stall(idle)
+            time.sleep(min(0.25, self.ping_every / 2))
+            now = time.monotonic()
+            quiet = now - self._progress_at
+            if quiet > self.ping_every and now - self._pinged_at > self.ping_every:
+                self._pinged_at = now
+                self.send(Call(0, "ping", ()))  # cid 0: no caller waits; any message is the sign of life
+            if self.stalled is None and quiet > self.stall_timeout:
+                self._stall(quiet)
 
     def _stall(self, idle: float) -> None:
         """End every open request with :class:`EngineStalled` (cancelled in the engine too) and refuse new ones."""
         self.stalled = (f"the engine made no progress for {idle:.0f} s with {len(self._handles)} request(s) open "
-                        f"(stall timeout {self.stall_timeout:g} s, --stall-timeout): it is hung or stopped; open "
-                        f"requests were ended; retry when /health answers 200")
+                        f"(it answered no ping; stall timeout {self.stall_timeout:g} s, --stall-timeout): it is hung "
+                        f"or stopped; open requests were ended; retry when /health answers 200")
         self.stalls += 1
         log.error("%s", self.stalled)
         self._end_open(lambda: EngineStalled(self.stalled, retry_after=STALL_RETRY_AFTER), cancel=True)

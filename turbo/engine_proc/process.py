@@ -163,6 +163,10 @@ class EngineProcess:
     def rpc_stats(self):
         return self.engine.stats()
 
+    def rpc_ping(self):
+        """The front's watchdog asks whether the loop thread still turns (its answer is the sign of life)."""
+        return None
+
     # --- the main thread ---------------------------------------------------------------------------------------------
     def dispatch(self, msg) -> None:
         if isinstance(msg, (Submit, Chat, SubmitMany)):

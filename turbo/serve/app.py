@@ -597,8 +597,8 @@ def serve(model: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAUL
     this one. ``api_keys``: see :func:`create_app` (``None`` reads ``LITETURBO_API_KEYS``). ``session_dir``,
     ``max_sessions``, ``session_idle_timeout``: the :class:`~turbo.engine_proc.sessions.SessionRegistry` (sessions saved
     after every turn and restored at start with a session dir). ``tool_call_parser``: see :func:`create_app`.
-    ``stall_timeout``: seconds an engine process may make no progress with requests open before ``/health`` answers
-    503 and its open requests end (:class:`~turbo.engine_proc.mp_client.MPClient`).
+    ``stall_timeout``: seconds an engine process may make no progress (answer nothing, idle or busy: the front pings
+    it) before ``/health`` answers 503 and its open requests end (:class:`~turbo.engine_proc.mp_client.MPClient`).
     Raises ``LiteturboError`` for a bad model or option, and when the engine process died while serving (after the
     server stopped)."""
     if not is_int(port) or not 0 <= port <= 65535:
