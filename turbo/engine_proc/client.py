@@ -51,25 +51,28 @@ class EngineClient(Protocol):
 
     def submit_chat(self, sid: str, message: str | list[dict], gen: GenerationConfig, persist: bool = False,
                     tools: list[dict] | None = None, tool_call_id: str | None = None,
-                    keep_partial: bool = False, read: dict | None = None) -> RequestHandle:
+                    keep_partial: bool = False, read: dict | None = None, owner: str | None = None) -> RequestHandle:
         """Queue session ``sid``'s next turn (saved under the session dir when it ends if ``persist``; ``tools``,
         ``tool_call_id`` and ``keep_partial`` as :meth:`turbo.session.Session.chat` takes them, ``read`` as
         :meth:`turbo.session.Session.begin_turn`); raises ``NotFound``
-        for an unknown id, ``Conflict`` while it generates, ``InvalidRequest`` for a bad message."""
+        for an unknown id (or a session of another ``owner``: every session method takes the owner tag of the
+        request's key, :mod:`turbo.engine_proc.sessions`), ``Conflict`` while it generates, ``InvalidRequest`` for a
+        bad message."""
 
     def session_create(self, system: str | None = None, session_id: str | None = None,
-                       defaults: dict | None = None) -> str:
+                       defaults: dict | None = None, owner: str | None = None) -> str:
         """A new session's id (``session_id`` when given: ``InvalidRequest`` if malformed, ``Conflict`` if taken),
-        with its sampling ``defaults`` (keywords); ``OverCapacity`` when the registry is full."""
+        with its sampling ``defaults`` (keywords) and ``owner``; ``OverCapacity`` when the registry is full."""
 
-    def check_session(self, sid: str) -> dict:
-        """``sid``'s sampling defaults (as created; kept in the session dir); raises ``NotFound`` unless it lives."""
+    def check_session(self, sid: str, owner: str | None = None) -> dict:
+        """``sid``'s sampling defaults (as created; kept in the session dir); raises ``NotFound`` unless it lives
+        (and is ``owner``'s)."""
 
-    def session_info(self, sid: str) -> dict:
-        """:func:`session_facts` of ``sid`` and its ``defaults`` (``NotFound`` for an unknown id)."""
+    def session_info(self, sid: str, owner: str | None = None) -> dict:
+        """:func:`session_facts` of ``sid`` and its ``defaults`` (``NotFound`` for an unknown id or another owner's)."""
 
-    def session_delete(self, sid: str) -> None:
-        """Delete ``sid`` (``NotFound``; ``Conflict`` while it generates)."""
+    def session_delete(self, sid: str, owner: str | None = None) -> None:
+        """Delete ``sid`` (``NotFound``, also for another owner's; ``Conflict`` while it generates)."""
 
     def session_ids(self) -> list[str]:
         """The ids of the live sessions."""

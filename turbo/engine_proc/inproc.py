@@ -46,33 +46,34 @@ class InprocClient:
 
     def submit_chat(self, sid: str, message: str | list[dict], gen: GenerationConfig, persist: bool = False,
                     tools: list[dict] | None = None, tool_call_id: str | None = None,
-                    keep_partial: bool = False, read: dict | None = None) -> RequestHandle:
+                    keep_partial: bool = False, read: dict | None = None, owner: str | None = None) -> RequestHandle:
         """Queue session ``sid``'s next turn (saved under the session dir when it ends if ``persist``; ``tools``,
-        ``tool_call_id`` and ``keep_partial`` as :meth:`turbo.session.Session.chat` takes them); raises ``NotFound`` for an unknown id,
-        ``Conflict`` while it generates, ``InvalidRequest`` for a bad message."""
-        session = self.sessions.get(sid)
+        ``tool_call_id`` and ``keep_partial`` as :meth:`turbo.session.Session.chat` takes them); raises ``NotFound`` for
+        an unknown id or another ``owner``'s, ``Conflict`` while it generates, ``InvalidRequest`` for a bad message."""
+        session = self.sessions.get(sid, owner)
         on_end = (lambda: self.sessions.persist(sid)) if persist else None
         return self.loop.submit_chat(session, message, gen, 0, on_end, tools=tools, tool_call_id=tool_call_id,
                                      keep_partial=keep_partial, read=read)
 
     def session_create(self, system: str | None = None, session_id: str | None = None,
-                       defaults: dict | None = None) -> str:
+                       defaults: dict | None = None, owner: str | None = None) -> str:
         """A new session's id (``session_id`` when given: ``InvalidRequest`` if malformed, ``Conflict`` if taken),
-        with its sampling ``defaults`` (keywords); ``OverCapacity`` when the registry is full."""
-        return self.sessions.create(system, session_id, defaults)[0]
+        with its sampling ``defaults`` (keywords) and ``owner``; ``OverCapacity`` when the registry is full."""
+        return self.sessions.create(system, session_id, defaults, owner)[0]
 
-    def check_session(self, sid: str) -> dict:
-        """``sid``'s sampling defaults (as created; kept in the session dir); raises ``NotFound`` unless it lives."""
-        self.sessions.get(sid)
+    def check_session(self, sid: str, owner: str | None = None) -> dict:
+        """``sid``'s sampling defaults (as created; kept in the session dir); raises ``NotFound`` unless it lives
+        (and is ``owner``'s)."""
+        self.sessions.get(sid, owner)
         return self.sessions.defaults(sid)
 
-    def session_info(self, sid: str) -> dict:
-        """:func:`session_facts` of ``sid`` and its ``defaults`` (``NotFound`` for an unknown id)."""
-        return dict(session_facts(self.sessions.get(sid)), defaults=self.sessions.defaults(sid))
+    def session_info(self, sid: str, owner: str | None = None) -> dict:
+        """:func:`session_facts` of ``sid`` and its ``defaults`` (``NotFound`` for an unknown id or another owner's)."""
+        return dict(session_facts(self.sessions.get(sid, owner)), defaults=self.sessions.defaults(sid))
 
-    def session_delete(self, sid: str) -> None:
-        """Delete ``sid`` (``NotFound``; ``Conflict`` while it generates)."""
-        self.sessions.delete(sid)
+    def session_delete(self, sid: str, owner: str | None = None) -> None:
+        """Delete ``sid`` (``NotFound``, also for another owner's; ``Conflict`` while it generates)."""
+        self.sessions.delete(sid, owner)
 
     def session_ids(self) -> list[str]:
         """The ids of the live sessions."""

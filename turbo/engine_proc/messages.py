@@ -80,7 +80,7 @@ class SubmitMany:
 class Chat:
     """Queue session ``session_id``'s next turn as request ``rid`` (saved when it ends if ``persist``; ``tools``,
     ``tool_call_id`` and ``keep_partial`` as :meth:`turbo.session.Session.chat` takes them, ``read`` as
-    :meth:`turbo.session.Session.begin_turn`)."""
+    :meth:`turbo.session.Session.begin_turn`; ``owner``: the owner tag of the request's API key, or ``None``)."""
 
     rid: int
     session_id: str
@@ -91,6 +91,7 @@ class Chat:
     tool_call_id: str | None = None
     keep_partial: bool = False
     read: dict | None = None  # turbo.session.Session.begin_turn's: how the reply is read for calls
+    owner: str | None = None  # a session of another owner is not found (turbo/engine_proc/sessions.py)
 
 
 @dataclass(slots=True)

@@ -240,26 +240,27 @@ class MPClient:
 
     def submit_chat(self, sid: str, message: str | list[dict], gen: GenerationConfig, persist: bool = False,
                     tools: list[dict] | None = None, tool_call_id: str | None = None,
-                    keep_partial: bool = False, read: dict | None = None) -> RemoteHandle:
+                    keep_partial: bool = False, read: dict | None = None, owner: str | None = None) -> RemoteHandle:
         """Queue session ``sid``'s next turn (see :meth:`~turbo.engine_proc.client.EngineClient.submit_chat`)."""
-        return self._open(Chat(next(self._ids), sid, message, gen, persist, tools, tool_call_id, keep_partial, read))
+        return self._open(Chat(next(self._ids), sid, message, gen, persist, tools, tool_call_id, keep_partial, read,
+                               owner))
 
     def session_create(self, system: str | None = None, session_id: str | None = None,
-                       defaults: dict | None = None) -> str:
+                       defaults: dict | None = None, owner: str | None = None) -> str:
         """See :meth:`~turbo.engine_proc.client.EngineClient.session_create` (a call to the engine process)."""
-        return self._call("session_create", system, session_id, defaults)
+        return self._call("session_create", system, session_id, defaults, owner)
 
-    def check_session(self, sid: str) -> dict:
+    def check_session(self, sid: str, owner: str | None = None) -> dict:
         """See :meth:`~turbo.engine_proc.client.EngineClient.check_session` (a call to the engine process)."""
-        return self._call("check_session", sid)
+        return self._call("check_session", sid, owner)
 
-    def session_info(self, sid: str) -> dict:
+    def session_info(self, sid: str, owner: str | None = None) -> dict:
         """See :meth:`~turbo.engine_proc.client.EngineClient.session_info` (a call to the engine process)."""
-        return self._call("session_info", sid)
+        return self._call("session_info", sid, owner)
 
-    def session_delete(self, sid: str) -> None:
+    def session_delete(self, sid: str, owner: str | None = None) -> None:
         """See :meth:`~turbo.engine_proc.client.EngineClient.session_delete` (a call to the engine process)."""
-        self._call("session_delete", sid)
+        self._call("session_delete", sid, owner)
 
     def session_ids(self) -> list[str]:
         """See :meth:`~turbo.engine_proc.client.EngineClient.session_ids` (a call to the engine process)."""

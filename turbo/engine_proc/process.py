@@ -127,7 +127,7 @@ class EngineProcess:
 
     def chat(self, m: Chat) -> None:
         def go():
-            session = self.sessions.get(m.session_id)
+            session = self.sessions.get(m.session_id, m.owner)
             on_end = (lambda: self.sessions.persist(m.session_id)) if m.persist else None
             return self.loop.submit_chat(session, m.message, m.gen, 0, on_end, sink=self.sink, tools=m.tools,
                                          tool_call_id=m.tool_call_id, keep_partial=m.keep_partial, read=m.read)
@@ -141,18 +141,18 @@ class EngineProcess:
         except Exception as e:  # noqa: BLE001 - raised again in the front
             self.send(Reply(m.cid, error=WireError.of(e)))
 
-    def rpc_session_create(self, system, session_id=None, defaults=None):
-        return self.sessions.create(system, session_id, defaults)[0]
+    def rpc_session_create(self, system, session_id=None, defaults=None, owner=None):
+        return self.sessions.create(system, session_id, defaults, owner)[0]
 
-    def rpc_check_session(self, sid):
-        self.sessions.get(sid)
+    def rpc_check_session(self, sid, owner=None):
+        self.sessions.get(sid, owner)
         return self.sessions.defaults(sid)
 
-    def rpc_session_info(self, sid):
-        return dict(session_facts(self.sessions.get(sid)), defaults=self.sessions.defaults(sid))
+    def rpc_session_info(self, sid, owner=None):
+        return dict(session_facts(self.sessions.get(sid, owner)), defaults=self.sessions.defaults(sid))
 
-    def rpc_session_delete(self, sid):
-        self.sessions.delete(sid)
+    def rpc_session_delete(self, sid, owner=None):
+        self.sessions.delete(sid, owner)
 
     def rpc_session_ids(self):
         return [sid for sid, _ in self.sessions.items()]

@@ -6,6 +6,11 @@ lowercase hex digits, are :mod:`turbo.session_ids`, shared with the request read
 With a session dir shared by several servers (replicas behind ``liteturbo route``), a registry loads a session it
 does not hold from the dir on first use, reloads one the dir holds in a state it did not write or read itself (another
 replica continued it), and forgets one whose saved copy another replica deleted.
+
+A session made under an API key has an owner (:func:`turbo.session_ids.owner_of`, a hash of the key; saved beside it
+in the session dir as ``<id>.owner``): :meth:`SessionRegistry.get` and :meth:`SessionRegistry.delete` given another
+owner raise the ``NotFound`` of an unknown id, so under another key a session does not exist. ``owner=None`` (a server
+without keys, or the server's own housekeeping) checks nothing.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class SessionRegistry:
         self._sessions: "collections.OrderedDict[str, Session]" = collections.OrderedDict()  # LRU first
         self._used: dict[str, float] = {}
         self._defaults: dict[str, dict] = {}
+        self._owners: dict[str, str | None] = {}  # sid -> owner tag (None: made without a key)
         # lock order: the engine's lock, then this one, then _disk_lock; whatever may touch the engine (closing,
         # evicting, loading a session) takes the engine's first, as the engine loop's thread already holds it when
         # it calls in (a turn's start, persist at its end)
@@ -64,12 +70,13 @@ class SessionRegistry:
         return len(self._sessions)
 
     def create(self, system: str | None = None, session_id: str | None = None,
-               defaults: dict | None = None) -> tuple[str, Session]:
+               defaults: dict | None = None, owner: str | None = None) -> tuple[str, Session]:
         """A new session and its id: ``session_id`` (:func:`session_id_problem`'s form) or a new random one. With a
         session dir it is saved at once (so that another replica sharing the dir knows it), with ``defaults`` (a
-        JSON-ready dict, e.g. the session's sampling defaults; :meth:`defaults` reads it back). Raises
-        ``InvalidRequest`` for a malformed ``session_id``, ``Conflict`` when it exists (here or in the session
-        dir), ``OverCapacity`` when ``max_stored`` live sessions exist."""
+        JSON-ready dict, e.g. the session's sampling defaults; :meth:`defaults` reads it back) and ``owner`` (the
+        tag of the key it is made under, module docs). Raises ``InvalidRequest`` for a malformed ``session_id``,
+        ``Conflict`` when it exists (here or in the session dir), ``OverCapacity`` when ``max_stored`` live sessions
+        exist."""
         if session_id is not None and (why := session_id_problem(session_id)):
             raise InvalidRequest(f"the session id {why}")
         with self.engine.lock, self._lock:
@@ -84,21 +91,24 @@ class SessionRegistry:
             self._sessions[sid] = s
             self._used[sid] = _now()
             self._defaults[sid] = dict(defaults or {})
+            self._owners[sid] = owner
             with self._disk_lock:
                 self._stamps[sid] = None
+            if self.session_dir is not None:  # before the session itself: a replica that sees it knows its owner
+                self._write_owner(sid, owner)
         if self.session_dir is not None:
             self._write_defaults(sid)
             self.persist(sid)
         return sid, s
 
-    def get(self, sid: str) -> Session:
+    def get(self, sid: str, owner: str | None = None) -> Session:
         """The session ``sid`` (marked as used now); with a session dir, loaded or reloaded from it first when
-        another replica saved it. Raises ``NotFound``."""
+        another replica saved it. Raises ``NotFound`` (also when ``owner`` is given and the session has another)."""
         with self.engine.lock, self._lock:
             self.expire()
             s = self._sessions.get(sid)
             s = self._load(sid) if s is None else self._refresh(sid, s)
-            if s is None:
+            if s is None or not self._owned(sid, owner):
                 raise NotFound(f"no session {sid!r} (it never existed, was deleted, or expired after "
                                f"{self.idle_timeout:.0f} s unused); create one with POST /v1/sessions, or send its "
                                f"first turn with 'create_session': true (or the id in the x-smg-routing-key header)")
@@ -117,13 +127,31 @@ class SessionRegistry:
                     return {}
             return dict(self._defaults.get(sid) or {})
 
-    def delete(self, sid: str) -> None:
+    def owner(self, sid: str) -> str | None:
+        """The owner tag ``sid`` was made with (read from the session dir when this registry did not make it);
+        ``None`` when it was made without a key, or is unknown."""
+        with self._lock:
+            if sid not in self._owners and self.session_dir is not None and not session_id_problem(sid):
+                try:
+                    owner = self._owner_file(sid).read_text().strip() or None
+                except OSError:
+                    owner = None
+                if sid in self._sessions:  # held (restored, or loaded from another replica's save): read once
+                    self._owners[sid] = owner
+                return owner
+            return self._owners.get(sid)
+
+    def _owned(self, sid: str, owner: str | None) -> bool:
+        """Whether a request under ``owner`` may reach ``sid`` (``None``: no check)."""
+        return owner is None or self.owner(sid) == owner
+
+    def delete(self, sid: str, owner: str | None = None) -> None:
         """Close and forget ``sid`` and delete its saved copy (also one this registry does not hold). Raises
-        ``NotFound``, ``Conflict`` while it generates."""
+        ``NotFound`` (also for a session of another ``owner``), ``Conflict`` while it generates."""
         with self.engine.lock, self._lock:
             self.expire()
             s = self._sessions.get(sid)
-            if s is None and not self._exists(sid):
+            if (s is None and not self._exists(sid)) or not self._owned(sid, owner):
                 raise NotFound(f"no session {sid!r} (it never existed, was deleted, or expired); nothing to delete")
             if s is not None and s.busy:
                 raise Conflict(f"session {sid!r} is generating a reply; wait for it or cancel it first")
@@ -132,6 +160,7 @@ class SessionRegistry:
             if self.session_dir is not None and not session_id_problem(sid):
                 shutil.rmtree(self.session_dir / sid, ignore_errors=True)
                 self._defaults_file(sid).unlink(missing_ok=True)
+                self._owner_file(sid).unlink(missing_ok=True)
 
     def items(self) -> list[tuple[str, Session]]:
         """(id, session) pairs, least recently used first."""
@@ -279,10 +308,28 @@ class SessionRegistry:
         except (OSError, TypeError, ValueError) as e:
             warnings.warn(f"could not save the defaults of session {sid} to {self.session_dir}: {e}", stacklevel=3)
 
+    def _owner_file(self, sid: str) -> Path:
+        return self.session_dir / f"{sid}.owner"
+
+    def _write_owner(self, sid: str, owner: str | None) -> None:
+        """Save (or, for ``None``, remove) ``sid``'s owner tag; a failed save warns (the session then has no
+        owner on disk: another replica or a restart would refuse it under every key, never show it to another)."""
+        path = self._owner_file(sid)
+        try:
+            if owner is None:
+                path.unlink(missing_ok=True)
+                return
+            tmp = path.with_suffix(".owner-tmp")
+            tmp.write_text(owner)
+            os.replace(tmp, path)
+        except OSError as e:
+            warnings.warn(f"could not save the owner of session {sid} to {self.session_dir}: {e}", stacklevel=3)
+
     def _forget(self, sid: str) -> None:
         s = self._sessions.pop(sid)
         self._used.pop(sid, None)
         self._defaults.pop(sid, None)
+        self._owners.pop(sid, None)
         with self._disk_lock:
             self._stamps.pop(sid, None)
         if not s.busy:

@@ -337,62 +337,67 @@ def _event(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps(dict(type=kind, **data), ensure_ascii=False)}\n\n"
 
 
-async def _events(job: Job, handle, stops: list[str], tokenizer, input_tokens: int) -> AsyncIterator[str]:
-    index, open_block, called = 0, None, False  # open_block: None, "text" or "tool_use"
-    started = False
+class _Blocks:
+    """The content-block events of one streamed reply: text goes to an open text block; a call (its id and name
+    first, then its arguments, whole) is a tool_use block of its own. ``called``: the reply made a call."""
 
+    def __init__(self) -> None:
+        self.index, self.open, self.called = 0, None, False  # open: None, "text" or "tool_use"
+
+    def _begin(self, block: dict) -> list[str]:
+        events = self.close()
+        if events:
+            self.index += 1
+        self.open = block["type"]
+        return events + [_event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def close(self) -> list[str]:
+        """The event that ends the open block (none when no block is open)."""
+        return [_event("content_block_stop", {"index": self.index})] if self.open else []
+
+    def of(self, deltas: list[dict]) -> list[str]:
+        """The events of the reader's ``deltas``."""
+        events = []
+        for d in deltas:
+            for c in d.get("tool_calls", ()):
+                if "id" in c:
+                    self.called = True
+                    events += self._begin({"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                                           "input": {}})
+                if c["function"].get("arguments"):
+                    events.append(_event("content_block_delta", {"index": self.index, "delta": {
+                        "type": "input_json_delta", "partial_json": c["function"]["arguments"]}}))
+            if d.get("content"):
+                if self.open != "text":
+                    events += self._begin({"type": "text", "text": ""})
+                events.append(_event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "text_delta", "text": d["content"]}}))
+        return events
+
+
+async def _events(job: Job, handle, stops: list[str], tokenizer, input_tokens: int) -> AsyncIterator[str]:
     def start(cached: int) -> str:
-        """``message_start``, sent once the request's first step said how much of the prompt was cached (its
-        first piece of text), or at the end: its usage is the final one's input half."""
-        nonlocal started
-        started = True
+        """``message_start``, sent once the request's first step said how much of the prompt was cached (with its
+        first piece of text), or at the end: its input usage is the final one's."""
         return _event("message_start", {"message": {
             "id": job.id, "type": "message", "role": "assistant", "model": job.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
             "usage": {**_input_usage(input_tokens, max(cached, 0)), "output_tokens": 0}}})
     try:
-
-        def blocks(deltas: list[dict]) -> list[str]:
-            """Events of the reader's deltas: text goes to an open text block; a call (its id and name first,
-            then its arguments, whole) is a tool_use block of its own."""
-            nonlocal index, open_block, called
-            events = []
-            for d in deltas:
-                for c in d.get("tool_calls", ()):
-                    if "id" in c:
-                        if open_block:
-                            events.append(_event("content_block_stop", {"index": index}))
-                            index += 1
-                        called, open_block = True, "tool_use"
-                        events.append(_event("content_block_start", {"index": index, "content_block": {
-                            "type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": {}}}))
-                    if c["function"].get("arguments"):
-                        events.append(_event("content_block_delta", {"index": index, "delta": {
-                            "type": "input_json_delta", "partial_json": c["function"]["arguments"]}}))
-                if d.get("content"):
-                    if open_block != "text":
-                        if open_block:
-                            events.append(_event("content_block_stop", {"index": index}))
-                            index += 1
-                        events.append(_event("content_block_start", {"index": index, "content_block": {
-                            "type": "text", "text": ""}}))
-                        open_block = "text"
-                    events.append(_event("content_block_delta", {"index": index, "delta": {
-                        "type": "text_delta", "text": d["content"]}}))
-            return events
-
+        blocks, started = _Blocks(), False
         deltas = ReplyDeltas(job, handle)
         async for ds in deltas:
             if not started:
+                started = True
                 yield start(handle.request.cached_tokens if handle.output is None else handle.output.cached_tokens)
-            for e in blocks(ds):
+            for e in blocks.of(ds):
                 yield e
         out, stopped = handle.output, deltas.stopped
         if not started:
             yield start(out.cached_tokens)
-        if open_block:
-            yield _event("content_block_stop", {"index": index})
-        reason, seq = _stop(out, stops, tokenizer, called, stopped)
+        for e in blocks.close():
+            yield e
+        reason, seq = _stop(out, stops, tokenizer, blocks.called, stopped)
         yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": _usage(out)})
         yield _event("message_stop", {})
     except Exception as e:  # noqa: BLE001 - after the 200 went out, an error is one event in the stream

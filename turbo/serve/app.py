@@ -19,7 +19,8 @@ uvicorn (``liteturbo serve``). Endpoints (see docs/serving.md for every field):
   cache stays in the engine between turns, so a turn prefills only its new tokens (also reachable as the
   ``session_id`` extension field of ``/v1/chat/completions``); kept by a
   :class:`~turbo.engine_proc.sessions.SessionRegistry` (ids, idle expiry, caps), in memory, and with a session dir saved
-  after every turn and restored at start.
+  after every turn and restored at start. With API keys, sessions and stored responses belong to the key that made
+  them (:func:`check_key` gives each request its key's owner tag): under another key they answer as unknown ids.
 
 The routes are module-level functions on two routers (``root`` and ``v1``, whose every route needs an API key when
 the server has keys); each reads what it serves from ``request.app.state.served`` (a :class:`Served`). Reading and
@@ -65,6 +66,7 @@ from ..config import GenerationConfig
 from ..engine import Engine
 from ..core import encode
 from ..errors import Conflict, NotFound
+from ..session_ids import owner_of
 from ..sglang_route import ROUTING_KEY_HEADER
 from ..loop import EngineLoop
 from ..tool_parsers import reading as tool_reading
@@ -180,7 +182,10 @@ def _parse_keys(api_keys: str | list[str] | tuple[str, ...] | None) -> list[str]
 
 async def check_key(request: Request) -> None:
     """401 unless the request carries ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as Anthropic's
-    clients send it) with one of the server's keys (if any)."""
+    clients send it) with one of the server's keys (if any). The key's owner tag
+    (:func:`~turbo.session_ids.owner_of`; ``None`` without keys) is ``request.state.owner``: what the request makes
+    (sessions, stored responses) is that owner's, and another owner's does not exist for it."""
+    request.state.owner = None
     keys = served(request).keys
     if not keys:
         return
@@ -195,6 +200,12 @@ async def check_key(request: Request) -> None:
         why = "no API key was given" if not auth else "the API key is not valid"
         raise APIError(401, f"{why}; send the header 'Authorization: Bearer <key>' with one of the server's "
                             f"--api-keys", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    request.state.owner = owner_of(token)
+
+
+def owner(request: Request) -> str | None:
+    """The owner tag of ``request``'s API key (:func:`check_key`), ``None`` when the server has no keys."""
+    return getattr(request.state, "owner", None)
 
 
 async def _api_error(request: Request, e: APIError):
@@ -228,11 +239,11 @@ async def _validation_error(request: Request, e: RequestValidationError):
     return await _api_error(request, APIError(400, f"bad request: {e.errors()}"))
 
 
-async def on_session(s: Served, fn, sid: str, *args):
-    """``fn(sid, *args)`` in the thread pool (the registry may close expired sessions, which waits for the engine's
-    step); 404 for an unknown id."""
+async def on_session(s: Served, fn, sid: str, *args, **kw):
+    """``fn(sid, *args, **kw)`` in the thread pool (the registry may close expired sessions, which waits for the
+    engine's step); 404 for an unknown id (or another key's session)."""
     try:
-        return await run_in_threadpool(fn, sid, *args)
+        return await run_in_threadpool(fn, sid, *args, **kw)
     except NotFound as e:
         s.session_meta.pop(sid, None)
         raise APIError(404, str(e), param="session_id", code="session_not_found") from None
@@ -310,9 +321,10 @@ async def chat_completions(request: Request):
         gen = s.gen(*layers, after)
         handles = await run_in_threadpool(submit_choices, c, ids, gen, req.n)
         return await respond(request, job, handles)
+    me = owner(request)
     if req.create_session:
-        await _open_session(s, req.session_id, req.messages)
-    stored = await on_session(s, c.check_session, req.session_id)  # 404 first
+        await _open_session(s, req.session_id, req.messages, me)
+    stored = await on_session(s, c.check_session, req.session_id, me)  # 404 first
     last = req.messages[-1]
     if last["role"] not in ("user", "tool"):
         raise APIError(400, "with 'session_id' (or a session id in x-smg-routing-key) the last message must be the new "
@@ -326,15 +338,16 @@ async def chat_completions(request: Request):
     job.call_id_prefix = read and read["call_id_prefix"]
     handle = await on_session(s, c.submit_chat, req.session_id, last["content"], gen, s.persist,
                               req.tools.openai() if req.tools else None, last.get("tool_call_id"), req.keep_partial,
-                              read)
+                              read, owner=me)
     return await respond(request, job, [handle])
 
 
-async def _open_session(s: Served, sid: str, messages: list[dict]) -> None:
-    """``create_session``: open session ``sid`` unless it exists (here, or in the session dir another replica shares),
-    its system prompt the leading system message of ``messages`` (taken only now, when it is created)."""
+async def _open_session(s: Served, sid: str, messages: list[dict], me: str | None) -> None:
+    """``create_session``: open session ``sid`` for owner ``me`` unless it exists (here, or in the session dir another
+    replica shares), its system prompt the leading system message of ``messages`` (taken only now, when it is
+    created). Another owner's session of that id is not opened again: the turn then finds no session (404)."""
     try:
-        await on_session(s, s.client.check_session, sid)
+        await on_session(s, s.client.check_session, sid, me)
         return
     except APIError:
         pass
@@ -342,7 +355,7 @@ async def _open_session(s: Served, sid: str, messages: list[dict]) -> None:
     if system is not None and not isinstance(system, str):
         raise APIError(400, "with 'create_session' the system message's content must be a string", param="messages")
     try:
-        await run_in_threadpool(s.client.session_create, system, sid, {})
+        await run_in_threadpool(s.client.session_create, system, sid, {}, me)
     except Conflict:
         pass  # opened meanwhile (a retry of this request, another replica): continue it
 
@@ -376,7 +389,7 @@ async def count_tokens(request: Request):
 async def create_response(request: Request):
     s = served(request)
     r = await run_in_threadpool(responses_api.read_request, await read_json(request, s.max_request_bytes),
-                                s.model_id, s.responses)
+                                s.model_id, s.responses, owner(request))
     chat = r.chat
     reads = chat.tools if chat.tools is not None and chat.tools.parses else None
     job = Job("chat", s.model_id, chat.stream, tools=reads, tool_parser=s.tool_parser if reads else None)
@@ -400,22 +413,22 @@ async def create_response(request: Request):
     return JSONResponse(body)
 
 
-def _stored(s: Served, rid: str):
-    r = s.responses.get(rid)
-    if r is None:
+def _stored(s: Served, rid: str, me: str | None):
+    r = s.responses.get(rid, me)
+    if r is None:  # also another key's: it does not exist for this one
         raise APIError(404, f"no stored response {rid!r}", param="response_id", code="response_not_found")
     return r
 
 
 @v1.get("/responses/{rid}")
 async def get_response(rid: str, request: Request):
-    return _stored(served(request), rid).body
+    return _stored(served(request), rid, owner(request)).body
 
 
 @v1.delete("/responses/{rid}")
 async def delete_response(rid: str, request: Request):
     s = served(request)
-    _stored(s, rid)
+    _stored(s, rid, owner(request))
     await run_in_threadpool(s.responses.delete, rid)
     return {"id": rid, "object": "response", "deleted": True}
 
@@ -442,7 +455,7 @@ async def create_session(request: Request):
     req = protocol.read_new_session(await read_json(request, s.max_request_bytes, allow_empty=True))
     s.gen(req.defaults)  # bad defaults fail now, not at the first turn
     # 400 / 409 for a bad or taken client-chosen id, 503 when full
-    sid = await run_in_threadpool(s.client.session_create, req.system, req.session_id, req.defaults)
+    sid = await run_in_threadpool(s.client.session_create, req.system, req.session_id, req.defaults, owner(request))
     created = int(time.time())
     for gone in set(s.session_meta) - set(await run_in_threadpool(s.client.session_ids)):  # expired ones
         s.session_meta.pop(gone, None)
@@ -455,14 +468,15 @@ async def create_session(request: Request):
 @v1.post("/sessions/{sid}/chat")
 async def session_chat(sid: str, request: Request):
     s = served(request)
-    stored = await on_session(s, s.client.check_session, sid)  # 404 before reading the body
+    me = owner(request)
+    stored = await on_session(s, s.client.check_session, sid, me)  # 404 before reading the body
     turn = protocol.read_turn(await read_json(request, s.max_request_bytes), s.model_id)
     gen = s.gen(s.defaults(sid, stored)[0], turn.sampling, s.tool_constraint(turn.tools, turn.sampling))
     reads = turn.tools if turn.tools is not None and turn.tools.parses else None
     read = _session_reading(s, reads)
     handle = await on_session(s, s.client.submit_chat, sid, turn.content, gen, s.persist,
                               turn.tools.openai() if turn.tools else None, turn.tool_call_id, turn.keep_partial,
-                              read)
+                              read, owner=me)
     job = Job("session", s.model_id, turn.stream, session_id=sid, tools=reads,
               tool_parser=s.tool_parser if reads else None, call_id_prefix=read and read["call_id_prefix"])
     return await respond(request, job, [handle])
@@ -471,7 +485,7 @@ async def session_chat(sid: str, request: Request):
 @v1.get("/sessions/{sid}")
 async def session_info(sid: str, request: Request):
     s = served(request)
-    info = await on_session(s, s.client.session_info, sid)
+    info = await on_session(s, s.client.session_info, sid, owner(request))
     defaults, created = s.defaults(sid, info.pop("defaults"))
     last = info.pop("last")
     return {"id": sid, "object": "session", "created": created, "model": s.model_id, **info,
@@ -481,7 +495,7 @@ async def session_info(sid: str, request: Request):
 @v1.delete("/sessions/{sid}")
 async def delete_session(sid: str, request: Request):
     s = served(request)
-    await on_session(s, s.client.session_delete, sid)  # Conflict (409) while a reply generates
+    await on_session(s, s.client.session_delete, sid, owner(request))  # Conflict (409) while a reply generates
     s.session_meta.pop(sid, None)
     return {"id": sid, "object": "session.deleted", "deleted": True}
 

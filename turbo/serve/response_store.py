@@ -6,6 +6,8 @@ messages in OpenAI's request shape, ``arguments`` as JSON text, so it can be che
 the session that holds its KV (:mod:`turbo.engine_proc.sessions`). :class:`ResponseStore` holds them in memory and,
 with a session dir, as one JSON file each under ``<session dir>/.responses/`` (written atomically: a temporary file
 renamed over), read back on demand after a restart. Ids are ``resp_`` + 32 hex digits; anything else is not found.
+A response made under an API key keeps its owner tag (:func:`turbo.session_ids.owner_of`, a hash of the key, never the
+key): under another key it is not found.
 """
 from __future__ import annotations
 
@@ -25,12 +27,14 @@ DIR_NAME = ".responses"  # beside the saved sessions (a session's folder holds a
 class StoredResponse:
     """One stored response: ``body`` (the response object), ``messages`` (the conversation after it, its system
     message first when it had instructions), ``session_id`` (the session that held it; it may have moved on or
-    expired since) and ``system`` (its instructions)."""
+    expired since), ``system`` (its instructions) and ``owner`` (the owner tag of the key it was made under;
+    ``None`` without keys)."""
 
     body: dict
     messages: list[dict]
     session_id: str | None
     system: str | None
+    owner: str | None = None
 
 
 class ResponseStore:
@@ -58,8 +62,13 @@ class ResponseStore:
                 Path(tmp).unlink(missing_ok=True)
                 raise
 
-    def get(self, rid: str) -> StoredResponse | None:
-        """The stored response ``rid``, or ``None``."""
+    def get(self, rid: str, owner: str | None = None) -> StoredResponse | None:
+        """The stored response ``rid``, or ``None`` (also when ``owner`` is given and it has another: a server with
+        keys gives every request's; ``None`` checks nothing)."""
+        r = self._get(rid)
+        return r if r is None or owner is None or r.owner == owner else None
+
+    def _get(self, rid: str) -> StoredResponse | None:
         if not isinstance(rid, str) or not _ID.fullmatch(rid):
             return None
         with self._lock:
@@ -77,7 +86,7 @@ class ResponseStore:
 
     def delete(self, rid: str) -> bool:
         """Forget ``rid``; whether it was stored."""
-        found = self.get(rid) is not None
+        found = self._get(rid) is not None
         with self._lock:
             self._mem.pop(rid, None)
         if found and self.dir is not None:

@@ -187,8 +187,8 @@ def _format(text: Any) -> tuple[dict | None, dict]:
 class ResponsesRequest:
     """A checked ``POST /v1/responses``: ``chat`` (the whole conversation as a checked chat request), ``prefix``
     (how many of its messages came before this request: the previous response's conversation, or the system message),
-    ``messages`` (the conversation in the request's shape), ``previous`` (the stored response it continues), ``store``
-    and ``echo`` (the request fields the response object repeats)."""
+    ``messages`` (the conversation in the request's shape), ``previous`` (the stored response it continues), ``store``,
+    ``echo`` (the request fields the response object repeats) and ``owner`` (the key's owner tag, or ``None``)."""
 
     chat: protocol.ChatRequest
     prefix: int
@@ -197,6 +197,7 @@ class ResponsesRequest:
     previous: StoredResponse | None
     store: bool
     echo: dict = field(default_factory=dict)
+    owner: str | None = None  # the owner tag of the request's key: its response and session are that owner's
 
 
 def _chat_body(data: dict, messages: list[dict]) -> tuple[dict, dict, list | None, Any]:
@@ -226,9 +227,9 @@ def _chat_body(data: dict, messages: list[dict]) -> tuple[dict, dict, list | Non
     return body, text_echo, tools, choice
 
 
-def read_request(data: dict, model_id: str, store: ResponseStore) -> ResponsesRequest:
+def read_request(data: dict, model_id: str, store: ResponseStore, owner: str | None = None) -> ResponsesRequest:
     """A ``POST /v1/responses`` body (400 naming the field; 400 ``previous_response_not_found`` for an unknown
-    ``previous_response_id``, as OpenAI answers)."""
+    ``previous_response_id``, as OpenAI answers, and for another ``owner``'s: it does not exist for this key)."""
     data = dict(data)
     # what sglang-router adds to every response it forwards (turbo/sglang_route.py), at its values only
     fills = {name: data.pop(name) for name in ROUTER_FILLS["responses"] if name in data}
@@ -246,7 +247,7 @@ def read_request(data: dict, model_id: str, store: ResponseStore) -> ResponsesRe
     prev_id = data.pop("previous_response_id", None)
     previous = None
     if prev_id is not None:
-        previous = store.get(prev_id)
+        previous = store.get(prev_id, owner)
         if previous is None:  # 400 with this code, as OpenAI answers it (clients recover by the code)
             raise APIError(400, f"Previous response with id {json.dumps(prev_id)[:80]} not found: it was never "
                                 f"stored (store: false), was deleted, or belongs to another server; send the whole "
@@ -277,7 +278,7 @@ def read_request(data: dict, model_id: str, store: ResponseStore) -> ResponsesRe
         raise _bad("n", "'n' is not a responses field")
     if system is None and new[0]["role"] == "system":  # the first input item was the system prompt
         system = new[0]["content"]
-    return ResponsesRequest(chat, len(head) + len(history), messages, system, previous, keep, echo)
+    return ResponsesRequest(chat, len(head) + len(history), messages, system, previous, keep, echo, owner)
 
 
 # --- the session a response runs in ---------------------------------------------------------------------------------
@@ -305,7 +306,7 @@ class ResponseSessions:
             if len(self.order) <= keep:
                 return
             try:
-                client.session_delete(sid)
+                client.session_delete(sid)  # the server's housekeeping: no owner, every key's sessions share the cap
             except Conflict:  # generating now: it stays
                 continue
             except NotFound:
@@ -324,24 +325,24 @@ def submit(client, r: ResponsesRequest, gen, persist: bool, read: dict | None, l
         prev = r.previous
         if prev is not None and prev.session_id is not None and prev.system == r.system:
             try:
-                info = client.session_info(prev.session_id)
+                info = client.session_info(prev.session_id, r.owner)
             except NotFound:
                 info = None
             if info is not None and not info["busy"] and len(info["messages"]) == len(prev.messages):
                 handle = client.submit_chat(prev.session_id, chat.messages[r.prefix:], gen, persist, tools, None,
-                                            False, read)
+                                            False, read, r.owner)
                 live.touch(prev.session_id)
                 return handle, prev.session_id
         live.shed(client, live.cap - 1)
         try:
-            sid = client.session_create(r.system)
+            sid = client.session_create(r.system, owner=r.owner)
         except OverCapacity:  # the registry is full of other sessions: give up ours, oldest first, then retry once
             live.shed(client, 0)
-            sid = client.session_create(r.system)
+            sid = client.session_create(r.system, owner=r.owner)
         live.touch(sid)
         start = 1 if r.system is not None else 0
         try:
-            handle = client.submit_chat(sid, chat.messages[start:], gen, persist, tools, None, False, read)
+            handle = client.submit_chat(sid, chat.messages[start:], gen, persist, tools, None, False, read, r.owner)
         except BaseException:
             client.session_delete(sid)
             raise
@@ -401,7 +402,8 @@ class Answer:
     def record(self, store: ResponseStore, body: dict, message: dict) -> None:
         """Store the answered response (``store: true``): its object and the conversation after it."""
         if self.r.store:
-            store.put(self.id, StoredResponse(body, self.r.messages + [message], self.session_id, self.r.system))
+            store.put(self.id, StoredResponse(body, self.r.messages + [message], self.session_id, self.r.system,
+                                              self.r.owner))
 
 
 class _OutputEvents:
