@@ -1,9 +1,12 @@
 """A bounded soak of `liteturbo serve` on loopback with faults injected on a schedule; one JSON line of what held.
 
-    python bench/soak.py [--minutes 20] [--clients 32] [--model smollm2-135m-instruct] [--json]
+    python bench/soak.py [--minutes 20] [--clients 32] [--model smollm2-135m-instruct] [--max-kv-tokens 16384]
+                         [--serve-args "--session-host-gib 1 ..."] [--json]
 
-The server runs as a user starts it (``liteturbo serve MODEL --session-dir DIR``, its engine in a process of its
-own). ``--clients`` threads loop until the end, each picking at random: a chat completion, a streamed one, a turn of
+The server runs as a user starts it (``liteturbo serve MODEL --session-dir DIR --max-kv-tokens N``, its engine in a
+process of its own; ``--max-kv-tokens`` sizes the KV pool, so that at a real model size it can hold only a fraction of
+the clients' sessions and they are evicted, tiered and restored under load; ``--serve-args`` adds any other
+``liteturbo serve`` flags, both reported in the JSON line). ``--clients`` threads loop until the end, each picking at random: a chat completion, a streamed one, a turn of
 its own session (a tool-calling turn, ``tool_choice`` "required", then the tool's result turn, or a plain turn), a
 strict ``json_schema`` reply, a stream it drops after two chunks (a client that disconnects), or a hostile body.
 Faults, at fixed shares of the run: at 25 % the engine process is stopped (``SIGSTOP``) for 15 s and resumed; at
@@ -33,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -285,12 +289,15 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--stop-seconds", type=float, default=15.0, help="how long the engine is stopped at 25 %%")
+    ap.add_argument("--max-kv-tokens", type=int, default=16384, help="the server's KV pool, in tokens")
+    ap.add_argument("--serve-args", default="", help="more `liteturbo serve` flags, as one shell-quoted string")
     ap.add_argument("--json", action="store_true", help="the JSON line only")
     args = ap.parse_args()
     if args.minutes <= 0 or args.clients < 1:
         sys.exit("--minutes must be > 0 and --clients >= 1")
     work = Path(tempfile.mkdtemp(prefix="lt-soak-"))
-    server = Server(args.model, free_port(), str(work / "sessions"), ["--max-kv-tokens", "16384"], work / "server.log")
+    extra = ["--max-kv-tokens", str(args.max_kv_tokens), *shlex.split(args.serve_args)]
+    server = Server(args.model, free_port(), str(work / "sessions"), extra, work / "server.log")
     say = (lambda *a: None) if args.json else (lambda *a: print("[soak]", *a, file=sys.stderr, flush=True))
     say("work folder (server.log, sessions):", work)
     server.start()
@@ -342,7 +349,8 @@ def main() -> None:
                 lost += len(turns) - k
                 http.delete(f"/v1/sessions/{sid}")
         time.sleep(1.0)
-        row = dict(soak.n, minutes=args.minutes, clients=args.clients, lost_turns=lost,
+        row = dict(soak.n, minutes=args.minutes, clients=args.clients, model=args.model,
+                   max_kv_tokens=args.max_kv_tokens, serve_args=args.serve_args, lost_turns=lost,
                    acknowledged_turns=sum(len(t) for t in soak.turns.values()),
                    rss_growth_pct=round(100 * (rss1 - rss0) / rss0, 2),
                    leaked_sessions=int(server.metric("liteturbo_sessions")),
