@@ -32,8 +32,10 @@ from .formats.arch import (input_heads, layer_linears, layer_no_clip, layer_scal
                            moe_config)
 
 # GPTQ: the Hessians collected in one forward stay under this many bytes (a sparse layer's experts' Hessians are
-# gathered in consecutive chunks of experts, one forward each; a dense layer's set always fits one chunk)
-HESSIAN_BYTES = 2 << 30
+# gathered in consecutive chunks of experts, one forward each; a dense layer's set always fits one chunk: an 8B's
+# MLP down projection, 14336² float32, is 0.77 GiB). Qwen3-30B-A3B's 128 experts (2.3 GiB of Hessians) take 3
+# forwards, each a few percent of the layer's GPTQ time.
+HESSIAN_BYTES = 1 << 30
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -72,10 +74,19 @@ class LayerBatch:
             return contextlib.nullcontext()
         return torch.autocast(self.inputs[0].device.type, dtype=self.dtype, cache_enabled=cache)
 
+    @staticmethod
+    def caches_casts(layer: torch.nn.Module) -> bool:
+        """Whether forwards over every sample keep autocast's cast of each weight: yes for a dense layer (cast once,
+        read by every sample); no for a layer with a sparse MLP block, whose experts' 16-bit copies would add half
+        the float32 layer (1.2 GB at Qwen3-30B-A3B shapes) for a cast per sample that costs little beside it."""
+        from .moe import SparseMoeBlock
+
+        return not any(isinstance(m, SparseMoeBlock) for m in layer.modules())
+
     def run(self, layer: torch.nn.Module) -> list[torch.Tensor]:
         """The layer's outputs for every sample (stored in the compute dtype): the next layer's inputs."""
         outs = []
-        with torch.no_grad(), self.autocast():
+        with torch.no_grad(), self.autocast(self.caches_casts(layer)):
             for h, kw in zip(self.inputs, self.kwargs):
                 o = layer(h, **kw)
                 outs.append((o[0] if isinstance(o, tuple) else o).to(self.dtype))
@@ -158,7 +169,7 @@ def collect_stats(layer: torch.nn.Module, batch: LayerBatch, heads: list[str], h
                 raise StopForward
         handles.append(mod.register_forward_pre_hook(hook))
     try:
-        with torch.no_grad(), batch.autocast():
+        with torch.no_grad(), batch.autocast(batch.caches_casts(layer)):
             for j, (h, kw) in enumerate(zip(batch.inputs, batch.kwargs)):
                 sample[0] = j
                 try:
