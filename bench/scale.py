@@ -228,6 +228,7 @@ def measure_moe_size(size: str, args, notes: list[str]) -> dict:
     layers = layers or None
     ckpt = synthetic.ensure_checkpoint(size, args.vocab, args.seed, args.cache_dir, quiet=args.json, layers=layers)
     n_layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    full_layers = json.loads((Path(w4) / "config.json").read_text())["num_hidden_layers"]
     row["bf16_layers_measured"] = n_layers
     work = Path(tempfile.mkdtemp(prefix=f"scale-{size}-", dir=str(synthetic.cache_root(args.cache_dir))))
     try:
@@ -249,6 +250,8 @@ def measure_moe_size(size: str, args, notes: list[str]) -> dict:
                 c["peak_gib"] = round(c["_peak_rss"] / GIB, 3)
                 peaks.append(c["peak_gib"])
                 row.update({f"{key}_{k}": c[k] for k in CALIBRATED_KEYS})
+                # the part extrapolates to the checkpoint it ran (a truncated copy): to the whole model's layers
+                row[f"{key}_seconds_extrapolated"] = round(c["setup_seconds"] + c["seconds_per_layer"] * full_layers)
                 if c.get("experts_without_tokens") is not None:
                     row["experts_without_tokens"] = max(row["experts_without_tokens"] or 0, c["experts_without_tokens"])
         row["calibrated_peak_gib"] = max(peaks) if peaks else None
