@@ -252,16 +252,9 @@ at::Tensor w4a16_tiles_gemv(const at::Tensor& x_in, const at::Tensor& packed, co
   const int16_t* zp = zeros.data_ptr<int16_t>();
   const at::BFloat16* sp = scales.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  // each thread's blocks as two interleaved streams (its range's first and second halves, a block of each in
-  // turn): two sequential reads in flight per core, which the hardware prefetchers follow (one stream per thread
-  // read ~1.4x slower on small weights, as the experts' kernel's gate/up pairs show)
   at::parallel_for(0, NB, 4, [&](int64_t c0, int64_t c1) {
-    const int64_t half = (c1 - c0 + 1) / 2;
-    for (int64_t i = 0; i < half; ++i)
-      for (int64_t c : {c0 + i, c0 + half + i})
-        if (c < c1)
-          gemv_rows(xp, sp32, M, K, G, group_size, wp + c * (K / 4) * 64, zp + c * G * 32, sp + c * G * 32,
-                    op + c * 32, N);
+    for (int64_t c = c0; c < c1; ++c)
+      gemv_rows(xp, sp32, M, K, G, group_size, wp + c * (K / 4) * 64, zp + c * G * 32, sp + c * G * 32, op + c * 32, N);
   });
 #else
   TORCH_CHECK(false, "w4a16_tiles_gemv needs a build with AVX-512 BF16");
