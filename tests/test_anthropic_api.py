@@ -212,6 +212,22 @@ def test_every_unanswered_tool_use_is_400(shape, count_only):
     assert e.value.status == 400 and ids in e.value.message and "tool_result" in e.value.message, e.value.message
 
 
+@pytest.mark.parametrize("count_only", [False, True], ids=["messages", "count_tokens"])
+@pytest.mark.parametrize("content, words", [
+    ([{"type": "text", "text": "here:"}, _result("a")["content"][0]], "tool_result blocks come first"),
+    (_result("a", "a")["content"], '"a" is answered a second time'),
+], ids=["text before the result", "one id answered twice"])
+def test_misplaced_tool_results_are_400_naming_the_rule(content, words, count_only):
+    """A user message's tool_result blocks come before its text (Anthropic's rule), and each tool_use takes one
+    tool_result: the 400 says which rule (a second answer to an id was told "it made no tool_use")."""
+    body = {"model": MODEL, "messages": PARIS + [_use("a"), {"role": "user", "content": content}],
+            "tools": [WEATHER], **({} if count_only else {"max_tokens": 8})}
+    with pytest.raises(APIError) as e:
+        messages_api.translate(body, count_only=count_only) if count_only else \
+            messages_api.read_request(body, MODEL)
+    assert e.value.status == 400 and words in e.value.message, e.value.message
+
+
 @pytest.mark.parametrize("msgs", [[_use("a"), _result("a")], [_use("a", "b"), _result("b", "a")],
                                   [_use("a"), _result("a"), {"role": "assistant", "content": "18 C."},
                                    {"role": "user", "content": "thanks"}],

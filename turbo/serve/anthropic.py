@@ -113,8 +113,8 @@ def _tool_choice(c: Any) -> tuple[Any, bool | None]:
 
 def _blocks(content: list, where: str, role: str, open_ids: list[str]) -> tuple[list, list, list]:
     """(texts, tool calls, tool messages) of one message's content blocks; a ``tool_result`` must answer one of
-    ``open_ids`` (removed from it once answered)."""
-    texts, calls, results = [], [], []
+    ``open_ids`` (removed from it once answered), once, before any text block of its message."""
+    texts, calls, results, answered = [], [], [], []
     for j, block in enumerate(content):
         bw = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -129,12 +129,19 @@ def _blocks(content: list, where: str, role: str, open_ids: list[str]) -> tuple[
                           "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
         elif kind == "tool_result" and role == "user":
             tid = block.get("tool_use_id")
+            if texts:  # Anthropic's rule: the results first, any text after them
+                raise _bad(bw, "is a tool_result after a text block: in a user message the tool_result blocks come "
+                               "first, any text after them")
+            if isinstance(tid, str) and tid in answered:
+                raise _bad(f"{bw}.tool_use_id", f"{json.dumps(tid)[:80]} is answered a second time in this message: "
+                                                f"each tool_use takes one tool_result")
             if not isinstance(tid, str) or tid not in open_ids:
                 made = f"its tool_use ids are {', '.join(open_ids)}" if open_ids else "it made no tool_use"
                 raise _bad(f"{bw}.tool_use_id", f"{json.dumps(tid)[:80]} does not answer a tool_use of the "
                                                 f"assistant message just before ({made}); a tool_result must "
                                                 f"follow the assistant message whose tool_use it answers")
             open_ids.remove(tid)
+            answered.append(tid)
             text = _text_of(block.get("content", ""), f"{bw}.content")
             results.append({"role": "tool", "tool_call_id": tid,
                             "content": f"Error: {text}" if block.get("is_error") else text})
