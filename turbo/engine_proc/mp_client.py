@@ -331,9 +331,11 @@ class MPClient:
 
     def _stall(self, idle: float) -> None:
         """End every open request with :class:`EngineStalled` (cancelled in the engine too) and refuse new ones."""
-        self.stalled = (f"the engine made no progress for {idle:.0f} s with {len(self._handles)} request(s) open "
+        n = len(self._handles)
+        ended = f"the {n} open request(s) were ended; " if n else ""
+        self.stalled = (f"the engine made no progress for {idle:.0f} s with {n} request(s) open "
                         f"(it answered no ping; stall timeout {self.stall_timeout:g} s, --stall-timeout): it is hung "
-                        f"or stopped; open requests were ended; retry when /health answers 200")
+                        f"or stopped; {ended}retry when /health answers 200")
         self.stalls += 1
         log.error("%s", self.stalled)
         self._end_open(lambda: EngineStalled(self.stalled, retry_after=STALL_RETRY_AFTER), cancel=True)
