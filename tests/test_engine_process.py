@@ -297,9 +297,9 @@ def test_an_engine_stopped_with_no_request_open_turns_health_503_within_the_stal
             time.sleep(0.1)
         waited = time.time() - t_stop
         assert h.status_code == 503 and "no progress" in h.json()["error"]["message"], h.text
-        # the silence counts from the engine's last answer, up to one ping interval (timeout / 4) before the stop;
-        # then the watchdog's tick
-        assert 0.7 * timeout < waited < timeout + 1.0, waited
+        # the silence counts from the engine's last answer, up to one ping interval (timeout / 4) and the watchdog's
+        # tick before the stop (1.33 s of 2 was seen on a busy machine); not at once, and not past the timeout
+        assert 0.5 * timeout < waited < timeout + 1.0, waited
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 4}, timeout=30)
         assert r.status_code == 503 and r.headers.get("retry-after"), r.text  # refused at once, not queued
         os.kill(engine, signal.SIGCONT)
